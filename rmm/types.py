@@ -1,0 +1,147 @@
+"""Records shared by every layer (DESIGN.md §3).
+
+Plain dataclasses: dialogue (`Turn`, `Session`), what the bank stores (`Memory`), what a
+benchmark asks (`Question`, `Dataset`), and what retrieval hands to the reranker and the learner
+(`Candidates`, `Selection`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+MemoryKind = Literal["turn", "session", "topic"]
+MEMORY_KINDS: tuple[str, ...] = ("turn", "session", "topic")
+
+
+@dataclass
+class Turn:
+    id: str
+    session_id: str
+    speaker: str
+    text: str
+    time: str | None = None
+
+
+@dataclass
+class Session:
+    id: str
+    user_id: str
+    turns: list[Turn]
+    time: str | None = None
+
+    def text(self) -> str:
+        """The session as one passage, one `speaker: text` line per turn."""
+        return "\n".join(f"{t.speaker}: {t.text}" for t in self.turns)
+
+
+@dataclass
+class Memory:
+    """One retrievable entry of a user's bank.
+
+    `text` is what gets embedded; `refs` are the dialogue turn ids it came from, which is how
+    session and topic memories are scored against turn-level gold evidence.
+    """
+
+    id: str
+    user_id: str
+    kind: MemoryKind
+    text: str
+    refs: list[str] = field(default_factory=list)
+    source_text: str = ""
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    merged_from: list[str] = field(default_factory=list)
+    time_span: tuple[str | None, str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in MEMORY_KINDS:
+            raise ValueError(f"memory kind must be one of {MEMORY_KINDS}, got {self.kind!r}")
+
+    @staticmethod
+    def new_id() -> str:
+        return uuid.uuid4().hex
+
+
+@dataclass
+class Question:
+    """A benchmark question with its gold evidence at turn and session granularity."""
+
+    id: str
+    user_id: str
+    text: str
+    answer: str
+    evidence_turns: list[str]
+    evidence_sessions: list[str]
+    category: int | None = None
+    category_name: str = ""
+    time: str | None = None
+    abstention: bool = False
+
+
+@dataclass
+class Dataset:
+    """A benchmark in one in-memory form: users → sessions → turns, plus questions.
+
+    Each user is one retrieval scope: a question is only ever searched against its own user's
+    memories (for LoCoMo a user is one conversation, for LongMemEval one question's haystack).
+    """
+
+    name: str
+    sessions: dict[str, list[Session]]
+    questions: list[Question]
+    categories: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def users(self) -> list[str]:
+        return list(self.sessions)
+
+    def turns(self, user_id: str) -> list[Turn]:
+        return [t for s in self.sessions[user_id] for t in s.turns]
+
+    def questions_of(self, user_id: str) -> list[Question]:
+        return [q for q in self.questions if q.user_id == user_id]
+
+
+@dataclass
+class Candidates:
+    """The retriever's top-K for one query: what the reranker rescores.
+
+    `embeddings` is None for retrievers without vectors (BM25); the reranker needs them.
+    """
+
+    query: str
+    memory_ids: list[str]
+    retriever_scores: torch.Tensor  # [K]
+    embeddings: torch.Tensor | None = None  # [K, d]
+    query_embedding: torch.Tensor | None = None  # [d]
+    user_id: str = ""
+
+    def __len__(self) -> int:
+        return len(self.memory_ids)
+
+
+@dataclass
+class Selection:
+    """The M memories shown to the generator, kept until their reward arrives.
+
+    `chosen` indexes into `candidates` in pick order; `logp` is the Plackett–Luce
+    log-probability of each pick under the policy that made it (detached: the learner recomputes
+    it with gradients from `candidates` when the reward comes).
+    """
+
+    candidates: Candidates
+    chosen: list[int]
+    scores: torch.Tensor  # [K] reranker scores at selection time
+    logp: torch.Tensor | None = None  # [M]
+    noise: torch.Tensor | None = None  # [K] Gumbel noise used (the paper-literal estimator needs it)
+    explore: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def memory_ids(self) -> list[str]:
+        return [self.candidates.memory_ids[i] for i in self.chosen]
