@@ -11,13 +11,22 @@ DATA_DIR_ENV = "RMM_DATA_DIR"
 CACHE_DIR_ENV = "RMM_CACHE_DIR"
 
 
+# A source checkout that sits beside a `shared/data` folder (the team's layout) reads the benchmark
+# data from there, so the quickstart needs no download on the team's offline machines.
+_CHECKOUT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
 def data_dir(override: str | os.PathLike[str] | None = None) -> Path:
-    """Benchmark data: the explicit flag, else `$RMM_DATA_DIR`, else the user data directory."""
+    """Benchmark data: the explicit flag, else `$RMM_DATA_DIR`, else the user data directory
+    (or, when that is empty and this is a source checkout beside `shared/data`, that folder)."""
     if override:
         return Path(override).expanduser()
     if env := os.environ.get(DATA_DIR_ENV):
         return Path(env).expanduser()
-    return Path(platformdirs.user_data_dir("rmm")) / "data"
+    user = Path(platformdirs.user_data_dir("rmm")) / "data"
+    if not (user.exists() and any(user.iterdir())) and _CHECKOUT_DATA.is_dir():
+        return _CHECKOUT_DATA
+    return user
 
 
 def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -145,3 +145,9 @@ class Selection:
     @property
     def memory_ids(self) -> list[str]:
         return [self.candidates.memory_ids[i] for i in self.chosen]
+
+
+class Retriever(Protocol):
+    """Anything that returns each query's top-k memories of one user (dense bank, BM25, …)."""
+
+    def search(self, queries: list[str], user: str, k: int) -> list[Candidates]: ...

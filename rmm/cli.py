@@ -1,0 +1,290 @@
+"""The `rmm` command: evaluate retrievers, train the reranker online, fetch data.
+
+Applications wire objects and report; the work happens in the library. Errors rmm raises on bad
+input are printed as one clear line (exit 2), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rmm.errors import RmmError
+
+console = Console()
+log = logging.getLogger("rmm")
+
+DEFAULT_RETRIEVER = "minilm"
+
+
+# -- shared options -------------------------------------------------------------------------------
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", help="benchmark data folder (default: $RMM_DATA_DIR, else the user data dir)")
+    p.add_argument("--cache-dir", help="where built banks are cached (default: $RMM_CACHE_DIR, else the user cache dir)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    p.add_argument("--batch-size", type=int, default=64, help="encoder batch size")
+    p.add_argument("--no-download", action="store_true", help="fail instead of downloading a missing dataset")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _baseline(value: str) -> float | str:
+    if value == "mean":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'mean', got {value!r}") from None
+
+
+def _write_json(path: str | None, obj: Any) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=2))
+        console.print(f"wrote {path}")
+
+
+def _load(args: argparse.Namespace):
+    from rmm.data import load_dataset
+
+    return load_dataset(args.dataset, data_dir=args.data_dir, download=not args.no_download)
+
+
+def _fmt(v: Any) -> str:
+    return f"{100 * v:.1f}" if isinstance(v, float) else str(v)
+
+
+# -- rmm eval -------------------------------------------------------------------------------------
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rmm.corpus import open_retriever
+    from rmm.eval.retrieval import evaluate
+
+    dataset = _load(args)
+    reports = {}
+    for granularity in args.granularity:
+        for name in args.retriever:
+            opened = open_retriever(name, dataset, granularity, cache=args.cache_dir, device=args.device,
+                                    batch_size=args.batch_size, index_backend=args.index)
+            t0 = time.perf_counter()
+            report = evaluate(dataset, opened.retriever, granularity, args.k, retriever_name=name)
+            log.info("evaluated %s/%s in %.1fs", name, granularity, time.perf_counter() - t0)
+            reports[f"{name}/{granularity}"] = report
+            _print_eval(report)
+    if len(reports) == 1:
+        _write_json(args.json, next(iter(reports.values())).to_json())
+    else:
+        _write_json(args.json, {key: r.to_json() for key, r in reports.items()})
+    return 0
+
+
+def _print_eval(report) -> None:
+    metrics = [f"{m}@{k}" for k in report.ks for m in ("recall", "recall_any", "recall_all", "ndcg")]
+    table = Table(title=f"{report.dataset} · {report.retriever} · {report.granularity} granularity (%)")
+    table.add_column("category")
+    table.add_column("n", justify="right")
+    for m in metrics:
+        table.add_column(m, justify="right")
+    separate = set(report.separate)
+    for cat, row in report.by_category.items():
+        table.add_row(f"{cat} {row['name']}" + (" (separate)" if cat in separate else ""), str(row["n"]),
+                      *(_fmt(row.get(m)) for m in metrics))
+    label = "overall (" + ", ".join(c for c in report.by_category if c not in separate) + ")"
+    table.add_row(f"[bold]{label}", f"[bold]{report.overall['n']}",
+                  *(f"[bold]{_fmt(report.overall.get(m))}" for m in metrics))
+    console.print(table)
+    if report.skipped:
+        console.print(f"[dim]{report.skipped} questions without gold evidence were skipped[/dim]")
+
+
+# -- rmm train / quickstart ----------------------------------------------------------------------
+def cmd_train(args: argparse.Namespace) -> int:
+    from rmm.corpus import open_retriever
+    from rmm.training.online import OnlineTrainer, plot
+
+    dataset = _load(args)
+    opened = open_retriever(args.retriever, dataset, "turn", cache=args.cache_dir, device=args.device,
+                            batch_size=args.batch_size)
+    if opened.encoder is None:
+        raise RmmError(f"the reranker needs a dense retriever (embeddings); {args.retriever!r} has none")
+    cfg = _online_config(args, normalized_encoder=opened.encoder.config.normalize)
+    wandb_run = _wandb(args, cfg)
+    t0 = time.perf_counter()
+    trainer = OnlineTrainer(dataset, opened.retriever, cfg, output_dir=args.output, wandb_run=wandb_run)
+    console.print(f"[bold]split[/bold]: {trainer.split.description}")
+    report = trainer.run()
+    elapsed = time.perf_counter() - t0
+    if wandb_run is not None:
+        wandb_run.summary.update({"reranker_prequential": report.reranker_prequential,
+                                  "reranker_heldout": report.reranker_heldout})
+        wandb_run.finish()
+    _print_train(report, args.retriever, elapsed)
+    _write_json(args.json, report.to_json())
+    if args.plot:
+        console.print(f"plot: {plot(report, args.plot)}")
+    return 0
+
+
+def _online_config(args: argparse.Namespace, normalized_encoder: bool):
+    """The recipe's values, overridden by any hyper-parameter given on the command line."""
+    from rmm.training.online import OnlineConfig, recipe_for
+
+    values = recipe_for(args.recipe, normalized_encoder)
+    given = {"tau": args.tau, "baseline": args.baseline, "lr": args.lr, "batch_size": args.update_every,
+             "estimator": args.estimator, "optimizer": args.optimizer}
+    values.update({k: v for k, v in given.items() if v is not None})
+    return OnlineConfig(k=args.k, m=args.m, epochs=args.epochs, per_user=args.per_user, heldout_fraction=args.heldout,
+                        seed=args.seed, citer=args.citer, precision=args.precision, recall=args.recall, **values)
+
+
+def _wandb(args: argparse.Namespace, cfg) -> Any | None:
+    """A W&B run when asked for (--wandb or $WANDB_PROJECT) and not disabled; else nothing."""
+    wanted = args.wandb or os.environ.get("WANDB_PROJECT")
+    if not wanted or os.environ.get("WANDB_MODE") == "disabled":
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise RmmError("W&B logging was requested but wandb is not installed: pip install 'rmm[train]'") from None
+    from dataclasses import asdict
+
+    return wandb.init(project=args.wandb or os.environ.get("WANDB_PROJECT"), config=asdict(cfg),
+                      job_type="online-reranker")
+
+
+def _print_train(report, retriever: str, elapsed: float) -> None:
+    from rmm.training.online import headline
+
+    table = Table(title=f"Online reranker on {retriever} — citations: {report.citer} — categories 1–4 (%)")
+    table.add_column("metric")
+    table.add_column(f"{retriever} alone", justify="right")
+    table.add_column("+ reranker", justify="right")
+    table.add_column("lift (points)", justify="right")
+    for name, before, after in headline(report):
+        table.add_row(name, _fmt(before), _fmt(after), f"{100 * (after - before):+.1f}")
+    console.print(table)
+    ratio = report.cited_ratio
+    if ratio:
+        q = max(1, len(ratio) // 10)
+        console.print(f"cited ratio: first {q} steps {sum(ratio[:q]) / q:.3f} → last {q} steps "
+                      f"{sum(ratio[-q:]) / q:.3f}   ({len(ratio)} steps, {elapsed:.0f}s)")
+    console.print(f"[dim]{report.split}[/dim]")
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    console.print("[bold]rmm quickstart[/bold]: LoCoMo · MiniLM · SQLite bank · simulated citations "
+                  "(precision 0.876, recall 0.858 from the paper's Table 3)")
+    ns = _train_parser_defaults()
+    ns.update(data_dir=args.data_dir, cache_dir=args.cache_dir, device=args.device, verbose=args.verbose,
+              json=str(out / "quickstart.json"), plot=str(out / "quickstart.png"), output=None,
+              no_download=args.no_download, epochs=args.epochs)
+    return cmd_train(argparse.Namespace(**ns))
+
+
+def _train_parser_defaults() -> dict[str, Any]:
+    p = argparse.ArgumentParser()
+    _train_options(p)
+    _common(p)
+    return vars(p.parse_args([]))
+
+
+def _train_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", default="locomo")
+    p.add_argument("--retriever", default=DEFAULT_RETRIEVER, help="encoder preset or folder (dense only)")
+    p.add_argument("--citer", default="simulated", help="who cites: simulated (labelled in every output)")
+    p.add_argument("--precision", type=float, default=0.876, help="simulated citer precision (paper Table 3)")
+    p.add_argument("--recall", type=float, default=0.858, help="simulated citer recall (paper Table 3)")
+    p.add_argument("--per-user", action="store_true", help="one reranker per user instead of one per bank")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--k", type=int, default=20, help="retrieved candidates K")
+    p.add_argument("--m", type=int, default=5, help="memories shown M")
+    p.add_argument("--recipe", default="auto", choices=("auto", "paper", "normalized"),
+                   help="hyper-parameter recipe: paper = RMM App. A.1; normalized = for L2-normalised "
+                        "encoders; auto (default) picks by the encoder. Flags below override it.")
+    p.add_argument("--tau", type=float, help="Gumbel temperature (paper: 0.5)")
+    p.add_argument("--baseline", type=_baseline,
+                   help="REINFORCE baseline b: a number (paper: 0.5) or 'mean' (running mean reward)")
+    p.add_argument("--lr", type=float, help="learning rate (paper: 1e-3)")
+    p.add_argument("--update-every", type=int, help="records per REINFORCE update (paper: 4)")
+    p.add_argument("--estimator", choices=("plackett-luce", "paper"),
+                   help="log-prob of the selection: plackett-luce (default) or paper-literal")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), help="adam (default) or sgd")
+    p.add_argument("--heldout", type=float, default=0.3, help="fraction held out (conversations, or per user the last questions)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", help="run directory: checkpoints and resumable state")
+    p.add_argument("--json", help="write the report as JSON")
+    p.add_argument("--plot", help="write the learning curves as PNG")
+    p.add_argument("--wandb", metavar="PROJECT", help="log to Weights & Biases (or set $WANDB_PROJECT)")
+
+
+# -- rmm data -------------------------------------------------------------------------------------
+def cmd_data_download(args: argparse.Namespace) -> int:
+    from rmm.data.download import download
+    from rmm.paths import data_dir
+
+    path = download(args.name, data_dir(args.data_dir))
+    console.print(f"{args.name}: {path}")
+    return 0
+
+
+# -- entry point ----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rmm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("eval", help="Recall@K of retrievers on a benchmark, per category")
+    p.add_argument("--dataset", default="locomo", help="locomo | longmemeval[:s|m|oracle] | msc | a file")
+    p.add_argument("--retriever", nargs="+", default=[DEFAULT_RETRIEVER],
+                   help="minilm | bm25 | contriever | stella | gte | an encoder folder (several allowed)")
+    p.add_argument("--granularity", nargs="+", choices=("turn", "session"), default=["turn"])
+    p.add_argument("--k", type=int, nargs="+", default=[5, 10])
+    p.add_argument("--index", default="torch", help="torch | faiss-flat | faiss-ivf | faiss-hnsw")
+    p.add_argument("--json", help="write the numbers as JSON")
+    _common(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("train", help="train the reranker online from citations and report the lift")
+    _train_options(p)
+    _common(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("quickstart", help="the main job on embedded defaults: LoCoMo, MiniLM, simulated citations")
+    p.add_argument("--output", default="rmm-quickstart", help="folder for the JSON report and the plot")
+    p.add_argument("--epochs", type=int, default=1)
+    _common(p)
+    p.set_defaults(func=cmd_quickstart)
+
+    p = sub.add_parser("data", help="benchmark data")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    d = data_sub.add_parser("download", help="download a benchmark from its public source")
+    d.add_argument("name", choices=("locomo", "longmemeval"))
+    d.add_argument("--data-dir")
+    d.add_argument("-v", "--verbose", action="store_true")
+    d.set_defaults(func=cmd_data_download)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except RmmError as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

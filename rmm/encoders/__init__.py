@@ -1,0 +1,18 @@
+"""Dense text encoders: presets (MiniLM default, Contriever, Stella, GTE) and any local HF folder."""
+
+from rmm.encoders.encoder import DenseHead, Encoder, EncoderConfig
+from rmm.encoders.pooling import POOLING_MODES, EncoderError, pool
+from rmm.encoders.presets import DEFAULT_ENCODER, PRESETS, Preset, load_encoder
+
+__all__ = [
+    "DEFAULT_ENCODER",
+    "DenseHead",
+    "Encoder",
+    "EncoderConfig",
+    "EncoderError",
+    "POOLING_MODES",
+    "PRESETS",
+    "Preset",
+    "load_encoder",
+    "pool",
+]

@@ -1,0 +1,131 @@
+"""Recall@K evaluation of a retriever on a benchmark, per category and overall.
+
+This module sits above the bank (it builds one document set per user and searches it); the pure
+metric functions live in `rmm.eval.metrics`. A question is only searched against its own user's
+memories, and questions without gold evidence at the chosen granularity are skipped (counted).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from tqdm.auto import tqdm
+
+from rmm.eval.metrics import aggregate, score_question
+from rmm.types import Candidates, Dataset, Memory, Question, Retriever
+
+log = logging.getLogger(__name__)
+
+# LoCoMo's adversarial category has no answer in the conversation by design; the benchmark's
+# convention (and ours) is to report it beside, not inside, the headline number.
+SEPARATE_CATEGORIES: dict[str, tuple[int, ...]] = {"locomo": (5,)}
+
+
+@dataclass
+class GoldScorer:
+    """Maps retrieved memories to gold units: turn ids (turn/topic) or session ids (session)."""
+
+    granularity: str
+    turn_session: dict[str, str]
+
+    @classmethod
+    def for_dataset(cls, dataset: Dataset, granularity: str) -> GoldScorer:
+        mapping = {t.id: s.id for sessions in dataset.sessions.values() for s in sessions for t in s.turns}
+        return cls(granularity, mapping)
+
+    def gold(self, question: Question) -> set[str]:
+        return set(question.evidence_sessions if self.granularity == "session" else question.evidence_turns)
+
+    def units(self, refs: Iterable[str]) -> set[str]:
+        if self.granularity == "session":
+            return {self.turn_session[r] for r in refs if r in self.turn_session}
+        return set(refs)
+
+    def score(self, ranked_refs: Sequence[Iterable[str]], question: Question, ks: Sequence[int],
+              n_relevant: int | None = None) -> dict[str, float]:
+        return score_question([self.units(refs) for refs in ranked_refs], self.gold(question), ks, n_relevant)
+
+
+def scorable(questions: Iterable[Question], scorer: GoldScorer) -> list[Question]:
+    return [q for q in questions if scorer.gold(q) and not q.abstention]
+
+
+@dataclass
+class RetrievalReport:
+    dataset: str
+    retriever: str
+    granularity: str
+    ks: list[int]
+    overall: dict[str, float]
+    by_category: dict[str, dict[str, float | str | int]]
+    separate: dict[str, dict[str, float | str | int]] = field(default_factory=dict)
+    skipped: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def summarize(dataset: Dataset, rows: dict[str, dict[str, float]], questions: Sequence[Question],
+              **meta) -> RetrievalReport:
+    """Means per category, a headline over the non-separate categories, separate ones beside it."""
+    separate = set(SEPARATE_CATEGORIES.get(dataset.name, ()))
+    per_cat: dict[int | None, list[dict[str, float]]] = defaultdict(list)
+    for q in questions:
+        if q.id in rows:
+            per_cat[q.category].append(rows[q.id])
+    by_category = {
+        str(c): {"name": dataset.categories.get(c, str(c)) if c is not None else "all", "n": len(r), **aggregate(r)}
+        for c, r in sorted(per_cat.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+    }
+    headline = [r for c, rs in per_cat.items() if c not in separate for r in rs]
+    overall = {"n": len(headline), **aggregate(headline)}
+    return RetrievalReport(dataset=dataset.name, overall=overall, by_category=by_category,
+                           separate={k: v for k, v in by_category.items() if int(k) in separate}
+                           if separate else {}, **meta)
+
+
+def evaluate(dataset: Dataset, retriever: Retriever, granularity: str, ks: Sequence[int] = (5, 10), *,
+             retriever_name: str = "", batch_size: int = 256, progress: bool = True,
+             rank: Callable[[list[Candidates]], list[list[str]]] | None = None) -> RetrievalReport:
+    """Search every scorable question in its user's bank and score the top max(ks).
+
+    `rank` may reorder each query's candidates (e.g. a reranker); by default the retriever's order.
+    """
+    scorer = GoldScorer.for_dataset(dataset, granularity)
+    questions = scorable(dataset.questions, scorer)
+    skipped = len(dataset.questions) - len(questions)
+    if skipped:
+        log.info("skipping %d questions without gold evidence at %s granularity", skipped, granularity)
+    by_user: dict[str, list[Question]] = defaultdict(list)
+    for q in questions:
+        by_user[q.user_id].append(q)
+    rows: dict[str, dict[str, float]] = {}
+    refs_cache: dict[tuple[str, str], list[str]] = {}
+    depth = max(ks)
+    bar = tqdm(total=len(questions), desc=f"eval {retriever_name or 'retriever'} ({granularity})",
+               disable=not progress, unit="q")
+    for user, qs in by_user.items():
+        for start in range(0, len(qs), batch_size):
+            chunk = qs[start:start + batch_size]
+            results = retriever.search([q.text for q in chunk], user, depth)
+            ranked_ids = rank(results) if rank else [c.memory_ids for c in results]
+            missing = [m for ids in ranked_ids for m in ids if (user, m) not in refs_cache]
+            if missing:
+                refs_cache.update({(user, m.id): m.refs for m in _get_memories(retriever, user, missing)})
+            for q, ids in zip(chunk, ranked_ids):
+                rows[q.id] = scorer.score([refs_cache[(user, m)] for m in ids[:depth]], q, ks)
+            bar.update(len(chunk))
+    bar.close()
+    return summarize(dataset, rows, questions, retriever=retriever_name, granularity=granularity,
+                     ks=list(ks), skipped=skipped)
+
+
+def _get_memories(retriever: Retriever, user: str, ids: list[str]) -> list[Memory]:
+    """The memories behind retrieved ids (both the bank and BM25 expose their store)."""
+    store = getattr(retriever, "store", None)
+    if store is None:
+        raise TypeError(f"{type(retriever).__name__} exposes no `store` to map results back to memories")
+    return store.get(user, list(dict.fromkeys(ids)))

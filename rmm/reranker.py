@@ -1,0 +1,232 @@
+"""Residual-linear reranker (paper Eq. 1) and Top-M selection (Eq. 2, DESIGN.md §4).
+
+`q' = q + W_q q`, `m'_i = m_i + W_m m_i`, `s_i = q'·m'_i`. With `W_q = W_m = 0` at start an
+untrained reranker reproduces a dot-product retriever's ranking, so switching it on never makes
+retrieval worse before it has learned anything.
+
+Inference folds both transforms into the query: in the row-vector convention of `nn.Linear`
+(`y = x Wᵀ`), `q' = q (I+W_q)ᵀ` and `m' = m (I+W_m)ᵀ`, hence
+`s = q (I+W_q)ᵀ (I+W_m) mᵀ = (q A)·m` with `A = (I+W_q)ᵀ (I+W_m)`. One d×d product per query
+instead of one per memory, and the transformed query can search the whole bank directly.
+`forward` is the plain Eq. 1 form (autograd; the reference); the learner uses `policy_scores`,
+the same function with the memory transform moved onto the query (B·d² instead of B·K·d²).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from rmm.errors import DimensionMismatchError
+from rmm.sampling import gumbel_noise, gumbel_top_m, plackett_luce_logp, top_m
+from rmm.types import Candidates, Selection
+
+__all__ = ["ResidualLinearReranker", "stack_candidates"]
+
+log = logging.getLogger(__name__)
+
+
+def stack_candidates(
+    candidates: Sequence[Candidates], dim: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Batch candidate lists of different lengths: `(queries[B,d], memories[B,K,d], mask[B,K])`.
+
+    Rows shorter than the longest are zero-padded and masked out; a user with fewer memories
+    than K is normal, not an error.
+    """
+    for i, c in enumerate(candidates):
+        if c.embeddings is None or c.query_embedding is None:
+            raise ValueError(
+                f"candidates[{i}] (query {c.query!r}) carry no embeddings; the reranker needs a "
+                "dense retriever's vectors (BM25 candidates cannot be reranked)"
+            )
+        if c.query_embedding.shape[-1] != dim or (c.embeddings.numel() and c.embeddings.shape[-1] != dim):
+            raise DimensionMismatchError(
+                f"candidates[{i}] have dimension {c.query_embedding.shape[-1]}, reranker has {dim}; "
+                "use a reranker built for this encoder"
+            )
+        if c.embeddings.ndim != 2 or c.embeddings.shape[0] != len(c.memory_ids):
+            raise ValueError(
+                f"candidates[{i}].embeddings has shape {tuple(c.embeddings.shape)}, expected "
+                f"[{len(c.memory_ids)}, {dim}]"
+            )
+    batch = len(candidates)
+    k_max = max((len(c) for c in candidates), default=0)
+    queries = torch.stack([c.query_embedding.reshape(dim) for c in candidates]).to(device, dtype)
+    if all(len(c) == k_max for c in candidates):
+        memories = torch.stack([c.embeddings for c in candidates]).to(device, dtype)
+        mask = torch.ones(batch, k_max, dtype=torch.bool, device=device)
+        return queries, memories, mask
+    memories = torch.zeros(batch, k_max, dim, device=device, dtype=dtype)
+    mask = torch.zeros(batch, k_max, dtype=torch.bool, device=device)
+    for i, c in enumerate(candidates):
+        k = len(c)
+        if k:
+            memories[i, :k] = c.embeddings.to(device, dtype)
+            mask[i, :k] = True
+    return queries, memories, mask
+
+
+class ResidualLinearReranker(nn.Module):
+    """Eq. 1 with zero-initialised `W_q`, `W_m` (no bias: a bias would shift every score alike)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        self.dim = dim
+        self.W_q = nn.Linear(dim, dim, bias=False)
+        self.W_m = nn.Linear(dim, dim, bias=False)
+        nn.init.zeros_(self.W_q.weight)
+        nn.init.zeros_(self.W_m.weight)
+        self._folded: tuple[tuple, Tensor] | None = None
+        self._served: tuple[tuple | None, int] = (None, 0)  # query rows served per weight version
+
+    # ---- training path -------------------------------------------------------------------
+    def forward(self, queries: Tensor, memories: Tensor) -> Tensor:
+        """Scores `[B, K]` in the plain Eq. 1 form (autograd flows to `W_q`, `W_m`)."""
+        q = queries + self.W_q(queries)
+        m = memories + self.W_m(memories)
+        return (m @ q.unsqueeze(-1)).squeeze(-1)
+
+    def policy_scores(self, queries: Tensor, memories: Tensor) -> Tensor:
+        """Same scores and gradients as `forward`, computed query-side (what the learner uses).
+
+        `m'·q' = (m + m W_mᵀ)·q' = m·(q' + q' W_m)`: the memory transform moves onto the one
+        query, so an update costs B·d² instead of B·K·d² multiply-adds.
+        """
+        q = queries + self.W_q(queries)
+        u = q + q @ self.W_m.weight
+        return (memories @ u.unsqueeze(-1)).squeeze(-1)
+
+    # ---- inference path ------------------------------------------------------------------
+    def query_matrix(self) -> Tensor:
+        """The folded transform `A = (I+W_q)ᵀ (I+W_m)`, so that `scores = (q @ A)·m`."""
+        eye = torch.eye(self.dim, device=self.W_q.weight.device, dtype=self.W_q.weight.dtype)
+        return (eye + self.W_q.weight).T @ (eye + self.W_m.weight)
+
+    def _cache_key(self, device: torch.device, dtype: torch.dtype) -> tuple:
+        # `_version` bumps on every in-place write (optimizer steps, load_state_dict's copy_);
+        # data_ptr catches `.data` being swapped for another tensor.
+        wq, wm = self.W_q.weight, self.W_m.weight
+        return (wq._version, wm._version, wq.data_ptr(), wm.data_ptr(), device, dtype)
+
+    def invalidate(self) -> None:
+        """Drop the folded query transform (the learner calls this after each optimizer step)."""
+        self._folded = None
+        self._served = (None, 0)
+
+    def transform_queries(self, queries: Tensor) -> Tensor:
+        """`q @ A` without gradients, `A` folded and cached once the weights hold still.
+
+        Folding costs d³ — as much as transforming d/2 queries the unfolded way
+        (`(q (I+W_q)ᵀ)(I+W_m)`, 2·d² each). While the learner updates every few turns, refolding
+        after each step would dominate a turn, so `A` is only built once the current weights
+        have served d/2 query rows (rent-or-buy: never more than twice the better choice).
+        """
+        key = self._cache_key(queries.device, queries.dtype)
+        with torch.no_grad():
+            if self._folded is not None and self._folded[0] == key:
+                return queries @ self._folded[1]
+            if self._served[0] != key:
+                self._served = (key, 0)
+            served = self._served[1] + queries.reshape(-1, self.dim).shape[0]
+            self._served = (key, served)
+            if served >= max(1, self.dim // 2):
+                self._folded = (key, self.query_matrix().to(queries.device, queries.dtype))
+                return queries @ self._folded[1]
+            wq = self.W_q.weight.to(queries.device, queries.dtype)
+            wm = self.W_m.weight.to(queries.device, queries.dtype)
+            transformed = queries + queries @ wq.T
+            return transformed + transformed @ wm
+
+    def fast_scores(self, queries: Tensor, memories: Tensor) -> Tensor:
+        """Scores `[B, K]` through the folded query (no gradients); equal to `forward`."""
+        transformed = self.transform_queries(queries)
+        with torch.no_grad():
+            return (memories @ transformed.unsqueeze(-1)).squeeze(-1)
+
+    @torch.no_grad()
+    def select(
+        self,
+        candidates: Sequence[Candidates],
+        m: int,
+        tau: float = 0.5,
+        explore: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> list[Selection]:
+        """Rerank each candidate list and pick its top-M (Gumbel-sampled when `explore`).
+
+        A list with fewer than `m` candidates yields all of them, ordered. `logp` is the detached
+        Plackett–Luce log-probability of the picks (None when not exploring: greedy picks have no
+        sampling probability worth reporting).
+        """
+        if m < 0:
+            raise ValueError(f"m must be >= 0, got {m}")
+        if explore and not tau > 0:
+            raise ValueError(f"temperature tau must be > 0, got {tau}")
+        if not candidates:
+            return []
+        weight = self.W_q.weight
+        queries, memories, mask = stack_candidates(candidates, self.dim, weight.device, weight.dtype)
+        lengths = [len(c) for c in candidates]
+        k_max = memories.shape[1]
+        m_batch = min(m, k_max)
+        if k_max == 0 or m_batch == 0:  # nothing to pick from, or nothing asked for
+            scores = self.fast_scores(queries, memories).cpu() if k_max else torch.zeros(len(candidates), 0)
+            chosen = torch.zeros(len(candidates), 0, dtype=torch.long)
+            noise = torch.zeros_like(scores) if explore else None
+            logp = torch.zeros(len(candidates), 0) if explore else None
+        else:
+            scores = self.fast_scores(queries, memories)
+            # Short rows get padded picks after their real ones; they are cut off below. Masked
+            # entries rank last, so top-m over the padded row starts with the row's real order.
+            pick_mask = None if min(lengths) == k_max else mask
+            if explore:
+                chosen, noise = _gumbel_top_m_ragged(scores, m_batch, tau, generator, pick_mask)
+                logp = plackett_luce_logp(scores, chosen, tau, pick_mask)
+            else:
+                chosen = _top_m_ragged(scores, m_batch, pick_mask)
+                noise = logp = None
+            scores, chosen = scores.cpu(), chosen.cpu()
+            noise = None if noise is None else noise.cpu()
+            logp = None if logp is None else logp.cpu()
+        out: list[Selection] = []
+        chosen_lists = chosen.tolist()
+        for i, c in enumerate(candidates):
+            k = lengths[i]
+            m_i = min(m, k)
+            out.append(
+                Selection(
+                    candidates=c,
+                    chosen=chosen_lists[i][:m_i],
+                    scores=scores[i, :k],
+                    logp=None if logp is None else logp[i, :m_i],
+                    noise=None if noise is None else noise[i, :k],
+                    explore=explore,
+                )
+            )
+        return out
+
+
+def _top_m_ragged(scores: Tensor, m: int, mask: Tensor | None) -> Tensor:
+    if mask is None:
+        return top_m(scores, m)
+    return scores.masked_fill(~mask, float("-inf")).topk(m, dim=-1, sorted=True).indices
+
+
+def _gumbel_top_m_ragged(
+    scores: Tensor, m: int, tau: float, generator: torch.Generator | None, mask: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """`gumbel_top_m`, except rows with fewer than `m` valid candidates are allowed.
+
+    Their surplus picks land on padding (masked entries rank last) and the caller cuts them off.
+    """
+    if mask is None:
+        return gumbel_top_m(scores, m, tau, generator=generator)
+    noise = gumbel_noise(scores.shape, generator=generator, device=scores.device)
+    perturbed = (scores.float() / tau + noise).masked_fill(~mask, float("-inf"))
+    return perturbed.topk(m, dim=-1, sorted=True).indices, noise

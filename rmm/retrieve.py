@@ -1,0 +1,67 @@
+"""Retrieve K, rerank to M: steps 2–3 of the RMM loop as one object the agent and server share.
+
+`scope="topk"` reranks the retriever's top-K (the paper); `scope="bank"` first searches the whole
+bank with the reranker's folded query `q @ A` — for a dot-product retriever that is exactly the
+reranker's ordering over every memory, so a memory the base retriever ranked below K can still
+surface once the reranker has learned to want it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from rmm.bank import MemoryBank
+from rmm.reranker import ResidualLinearReranker
+from rmm.types import Candidates, Selection
+
+Scope = Literal["topk", "bank"]
+
+
+class RerankedRetriever:
+    def __init__(self, bank: MemoryBank, reranker: ResidualLinearReranker, *, k: int = 20, m: int = 5,
+                 tau: float = 0.5, scope: Scope = "topk") -> None:
+        if scope not in ("topk", "bank"):
+            raise ValueError(f"scope must be 'topk' or 'bank', got {scope!r}")
+        if m > k:
+            raise ValueError(f"cannot select M={m} memories out of K={k} candidates")
+        self.bank, self.reranker = bank, reranker
+        self.k, self.m, self.tau, self.scope = k, m, tau, scope
+
+    @property
+    def store(self):  # lets the evaluator map ids back to memories
+        return self.bank.store
+
+    def candidates(self, queries: list[str], user: str, k: int | None = None) -> list[Candidates]:
+        k = k or self.k
+        if self.scope == "topk":
+            return self.bank.search(queries, user, k)
+        q = self.bank.encoder.encode_queries(queries)
+        found = self.bank.search_embeddings(self.reranker.transform_queries(q), user, k, queries=queries)
+        # Candidates keep the *original* query embedding: the reranker rescoring them applies A itself.
+        for c, emb in zip(found, q):
+            c.query_embedding = emb
+        return found
+
+    def select(self, queries: list[str], user: str, *, explore: bool = False,
+               generator: torch.Generator | None = None) -> list[Selection]:
+        """The M memories to show for each query: sampled when exploring, the top-M otherwise."""
+        found = self.candidates(queries, user)
+        m = min(self.m, min((len(c) for c in found), default=self.m))
+        return self.reranker.select(found, m, tau=self.tau, explore=explore, generator=generator)
+
+    def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
+        """The Retriever protocol: each query's candidates in reranked order, truncated to k."""
+        found = self.candidates(queries, user, max(k, self.k))
+        out = []
+        for c in found:
+            if len(c) == 0:
+                out.append(c)
+                continue
+            order = self.reranker.fast_scores(c.query_embedding[None], c.embeddings[None])[0]
+            idx = torch.argsort(order, descending=True)[:k]
+            out.append(Candidates(query=c.query, memory_ids=[c.memory_ids[i] for i in idx.tolist()],
+                                  retriever_scores=order[idx], embeddings=c.embeddings[idx],
+                                  query_embedding=c.query_embedding, user_id=c.user_id))
+        return out

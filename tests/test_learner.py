@@ -1,0 +1,326 @@
+"""REINFORCE learner: rewards, the update's direction, guards, and exact checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import rmm.learner as learner_module
+from rmm.errors import CheckpointError, DimensionMismatchError, EncoderMismatchError
+from rmm.learner import Learner, LearnerConfig, rewards_from_citations
+from rmm.reranker import ResidualLinearReranker
+from rmm.sampling import plackett_luce_logp
+from rmm.types import Candidates, Selection
+
+D, K, M = 8, 10, 3
+
+
+# ---- a toy world: citations favour memories along a fixed direction `u` ----------------------
+def world(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries share a mean direction `c` (as real embeddings do); `u` ⟂ `c` marks useful memories."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randn(D, generator=g)
+    c = c / c.norm()
+    u = torch.randn(D, generator=g)
+    u = u - (u @ c) * c
+    return c, u / u.norm()
+
+
+def make_candidates(n: int, seed: int, c: torch.Tensor, k: int = K) -> list[Candidates]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        q = c + 0.3 * torch.randn(D, generator=g)
+        m = torch.randn(k, D, generator=g)
+        out.append(Candidates(f"q{i}", [f"{seed}-{i}-{j}" for j in range(k)], m @ q, m, q, user_id="u"))
+    return out
+
+
+def useful_rate(reranker: ResidualLinearReranker, cands: list[Candidates], u: torch.Tensor) -> float:
+    sels = reranker.select(cands, M)
+    hits = [float(s.candidates.embeddings[j] @ u > 0) for s in sels for j in s.chosen]
+    return sum(hits) / len(hits)
+
+
+def cited_of(sel: Selection, u: torch.Tensor) -> list[int]:
+    return [j for j, idx in enumerate(sel.chosen) if sel.candidates.embeddings[idx] @ u > 0]
+
+
+def run_toy(learner: Learner, n: int, seed: int = 1) -> None:
+    c, u = world()
+    gen = torch.Generator().manual_seed(seed)
+    for cand in make_candidates(n, seed, c):
+        sel = learner.reranker.select([cand], M, tau=learner.config.tau, explore=True, generator=gen)[0]
+        learner.record(sel, rewards_from_citations(M, cited_of(sel, u)))
+
+
+def selection(k: int = K, m: int = M, seed: int = 0, explore: bool = True, dim: int = D) -> Selection:
+    g = torch.Generator().manual_seed(seed)
+    q, mem = torch.randn(dim, generator=g), torch.randn(k, dim, generator=g)
+    cand = Candidates("q", [str(i) for i in range(k)], mem @ q, mem, q)
+    return ResidualLinearReranker(dim).select([cand], m, explore=explore, generator=g)[0]
+
+
+# ---- rewards ---------------------------------------------------------------------------------
+def test_rewards_from_citations() -> None:
+    assert rewards_from_citations(4, [0, 2]).tolist() == [1, -1, 1, -1]
+    assert rewards_from_citations(3, []).tolist() == [-1, -1, -1]
+    assert rewards_from_citations(3, [], no_cite=True).tolist() == [-1, -1, -1]
+    assert rewards_from_citations(3, None, no_cite=True).tolist() == [-1, -1, -1]
+    assert rewards_from_citations(3, None) is None
+    assert rewards_from_citations(2, [1, 5]).tolist() == [-1, 1]  # out of range ignored
+    assert rewards_from_citations(0, []).shape == (0,)
+    with pytest.raises(ValueError):
+        rewards_from_citations(-1, [])
+
+
+# ---- learning direction ----------------------------------------------------------------------
+@pytest.mark.parametrize("estimator", ["plackett-luce", "paper"])
+def test_learning_raises_the_cited_rate_and_a_flipped_sign_lowers_it(estimator: str) -> None:
+    c, u = world()
+    held_out = make_candidates(150, 99, c)
+    config = LearnerConfig(lr=0.05, estimator=estimator)
+
+    learner = Learner(ResidualLinearReranker(D), config)
+    before = useful_rate(learner.reranker, held_out, u)
+    run_toy(learner, 100)
+    after = useful_rate(learner.reranker, held_out, u)
+    assert learner.stats.step == 25 and learner.stats.records == 100
+
+    flipped = Learner(ResidualLinearReranker(D), config)
+    original_loss = flipped.loss
+    flipped.loss = lambda batch: -original_loss(batch)  # type: ignore[method-assign]
+    run_toy(flipped, 100)
+    after_flipped = useful_rate(flipped.reranker, held_out, u)
+
+    assert 0.35 < before < 0.65  # the retriever knows nothing about `u`
+    assert after > before + 0.25
+    assert after_flipped < before - 0.2
+
+
+def test_loss_is_the_reinforce_objective() -> None:
+    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=2, baseline=0.5))
+    with torch.no_grad():
+        learner.reranker.W_m.weight.normal_(0, 0.2)
+    sels = [selection(seed=1), selection(k=4, m=2, seed=2)]
+    rewards = [torch.tensor([1.0, -1.0, -1.0]), torch.tensor([-1.0, 1.0])]
+    expected = []
+    for sel, r in zip(sels, rewards):
+        c = sel.candidates
+        scores = learner.reranker(c.query_embedding[None], c.embeddings[None])
+        logp = plackett_luce_logp(scores, torch.tensor([sel.chosen]), 0.5)[0]
+        expected.append(((r - 0.5) * logp).sum())
+    expected_loss = -torch.stack(expected).mean().item()
+    assert learner.record(sels[0], rewards[0]) is None
+    loss = learner.record(sels[1], rewards[1])
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    assert learner.stats.last_loss == loss and learner.pending == 0
+
+
+def test_update_invalidates_folded_cache() -> None:
+    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=1, lr=0.1))
+    sel = selection()
+    q, m = sel.candidates.query_embedding[None], sel.candidates.embeddings[None]
+    before = learner.reranker.fast_scores(q, m)
+    learner.record(sel, torch.tensor([1.0, -1.0, -1.0]))
+    after = learner.reranker.fast_scores(q, m)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, learner.reranker(q, m).detach(), rtol=1e-4, atol=1e-4)
+
+
+# ---- guards and counters ---------------------------------------------------------------------
+def test_skips_are_counted_and_flush_updates_partial_batches() -> None:
+    learner = Learner(ResidualLinearReranker(D))
+    assert learner.flush() is None
+    assert learner.record(selection(seed=1), None) is None
+    assert learner.stats.skipped_no_citation == 1 and learner.pending == 0
+    for s in range(3):
+        assert learner.record(selection(seed=s), torch.tensor([1.0, -1.0, -1.0])) is None
+    assert learner.pending == 3 and learner.stats.step == 0
+    weights = learner.reranker.W_q.weight.detach().clone()
+    assert isinstance(learner.flush(), float)
+    assert learner.pending == 0 and learner.stats.step == 1 and learner.stats.updates == 1
+    assert not torch.equal(weights, learner.reranker.W_q.weight)
+    assert learner.stats.records == 3
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_update_is_skipped_and_parameters_untouched(bad: float, caplog: pytest.LogCaptureFixture) -> None:
+    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=2))
+    good = selection(seed=1)
+    poisoned = selection(seed=2)
+    poisoned.candidates.embeddings[0, 0] = bad
+    before = [p.detach().clone() for p in learner.reranker.parameters()]
+    learner.record(good, torch.tensor([1.0, -1.0, -1.0]))
+    with caplog.at_level(logging.WARNING, logger="rmm.learner"):
+        assert learner.record(poisoned, torch.tensor([1.0, -1.0, 1.0])) is None
+    assert "skipped" in caplog.text
+    assert learner.stats.skipped_nonfinite == 1 and learner.stats.step == 0 and learner.stats.updates == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, learner.reranker.parameters()))
+    assert all(p.grad is None for p in learner.reranker.parameters())
+    # the learner keeps working afterwards
+    learner.record(good, torch.tensor([1.0, -1.0, -1.0]))
+    assert isinstance(learner.record(selection(seed=3), torch.tensor([-1.0, 1.0, -1.0])), float)
+    assert learner.stats.step == 1
+
+
+def test_ragged_batches_and_empty_selections_stay_finite() -> None:
+    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=3))
+    learner.record(selection(k=2, m=5), torch.tensor([1.0, -1.0]))
+    learner.record(selection(k=0, m=5), torch.tensor([]))
+    loss = learner.record(selection(k=20, m=5, seed=4), torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0]))
+    assert loss is not None and torch.isfinite(torch.tensor(loss))
+    assert learner.stats.skipped_nonfinite == 0
+    assert all(torch.isfinite(p).all() for p in learner.reranker.parameters())
+
+
+def test_greedy_selections_and_sgd_with_clipping() -> None:
+    config = LearnerConfig(batch_size=2, optimizer="sgd", max_grad_norm=0.01, lr=1.0, estimator="paper")
+    learner = Learner(ResidualLinearReranker(D), config)
+    assert isinstance(learner.optimizer, torch.optim.SGD)
+    learner.record(selection(explore=False), torch.tensor([1.0, -1.0, -1.0]))
+    learner.record(selection(seed=5, explore=False), torch.tensor([-1.0, -1.0, 1.0]))
+    moved = torch.cat([p.detach().flatten() for p in learner.reranker.parameters()]).norm().item()
+    assert 0 < moved <= 0.01 + 1e-6  # one SGD step of lr 1 on a gradient clipped to norm 0.01
+
+
+def test_record_refuses_bad_input() -> None:
+    learner = Learner(ResidualLinearReranker(D))
+    with pytest.raises(ValueError, match="rewards"):
+        learner.record(selection(), torch.tensor([1.0, -1.0]))
+    with pytest.raises(DimensionMismatchError):
+        learner.record(selection(dim=D + 2), torch.tensor([1.0, -1.0, -1.0]))
+    bm25 = Selection(Candidates("q", ["a"], torch.tensor([1.0])), [0], torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="embeddings"):
+        learner.record(bm25, torch.tensor([1.0]))
+    bad = selection()
+    bad.chosen = [0, 0, 1]
+    with pytest.raises(ValueError, match="distinct"):
+        learner.record(bad, torch.tensor([1.0, -1.0, -1.0]))
+    assert learner.stats.records == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"lr": 0}, {"batch_size": 0}, {"tau": 0}, {"estimator": "x"}, {"optimizer": "rmsprop"},
+     {"max_grad_norm": -1.0}, {"baseline": float("nan")}],
+)
+def test_config_validation(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        LearnerConfig(**kwargs)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+def trained(n: int, config: LearnerConfig | None = None) -> Learner:
+    learner = Learner(ResidualLinearReranker(D), config or LearnerConfig(lr=0.05), encoder_name="toy-enc")
+    run_toy(learner, n)
+    return learner
+
+
+def test_save_load_resume_is_exact(tmp_path: Path) -> None:
+    c, u = world()
+    stream = make_candidates(30, 7, c)
+
+    def continue_on(learner: Learner) -> None:
+        gen = torch.Generator().manual_seed(3)
+        for cand in stream:
+            sel = learner.reranker.select([cand], M, explore=True, generator=gen)[0]
+            learner.record(sel, rewards_from_citations(M, cited_of(sel, u)))
+
+    uninterrupted = trained(18)  # 4 updates + 2 records pending
+    continue_on(uninterrupted)
+
+    interrupted = trained(18)
+    assert interrupted.pending == 2
+    interrupted.save(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.json", "optimizer.pt", "reranker.safetensors"]
+    resumed = Learner.load(tmp_path / "ckpt", encoder_name="toy-enc", dim=D)
+    assert resumed.pending == 2 and resumed.stats == interrupted.stats
+    assert resumed.config == interrupted.config and resumed.encoder_name == "toy-enc"
+    continue_on(resumed)
+
+    for a, b in zip(uninterrupted.reranker.parameters(), resumed.reranker.parameters()):
+        assert torch.equal(a, b)
+    assert resumed.stats == uninterrupted.stats
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    assert meta["dim"] == D and meta["encoder_name"] == "toy-enc" and meta["step"] == 4
+    assert meta["format_version"] == learner_module.FORMAT_VERSION
+
+
+def test_failed_save_leaves_the_old_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    learner = trained(8)
+    learner.save(tmp_path / "ckpt")
+    saved = [p.detach().clone() for p in learner.reranker.parameters()]
+    run_toy(learner, 8, seed=2)
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(learner_module.torch, "save", boom)
+    with pytest.raises(OSError, match="disk full"):
+        learner.save(tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp folder left behind
+    reloaded = Learner.load(tmp_path / "ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(saved, reloaded.reranker.parameters()))
+    assert reloaded.stats.step == 2
+
+    learner.save(tmp_path / "ckpt")  # a later save replaces it
+    assert Learner.load(tmp_path / "ckpt").stats.step == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_crash_between_renames_falls_back_to_previous(tmp_path: Path) -> None:
+    learner = trained(4)
+    learner.save(tmp_path / "ckpt")
+    (tmp_path / "ckpt").rename(tmp_path / ".ckpt.old")  # the state a crash mid-swap leaves
+    assert Learner.load(tmp_path / "ckpt").stats.step == 1
+    learner.save(tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_load_refuses_mismatch_missing_and_corrupt(tmp_path: Path) -> None:
+    learner = trained(4)
+    folder = learner.save(tmp_path / "ckpt")
+    with pytest.raises(DimensionMismatchError):
+        Learner.load(folder, dim=D + 1)
+    with pytest.raises(EncoderMismatchError):
+        Learner.load(folder, encoder_name="other-enc")
+    with pytest.raises(CheckpointError):
+        Learner.load(tmp_path / "nowhere")
+
+    weights = folder / "reranker.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[:50] + b"garbage" + original[57:])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        Learner.load(folder)
+    weights.write_bytes(original)
+
+    meta_path = folder / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text("{not json")
+    with pytest.raises(CheckpointError):
+        Learner.load(folder)
+    meta_path.write_text(json.dumps({**meta, "format_version": 99}))
+    with pytest.raises(CheckpointError, match="format version"):
+        Learner.load(folder)
+    meta_path.write_text(json.dumps({**meta, "sha256": {}}))  # checksums gone: parsing still guards
+    (folder / "optimizer.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError):
+        Learner.load(folder)
+    (folder / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointError):
+        Learner.load(folder)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError):
+        learner.save(tmp_path / "file")
+
+
+def test_checkpoint_without_encoder_name_adopts_the_given_one(tmp_path: Path) -> None:
+    folder = Learner(ResidualLinearReranker(D)).save(tmp_path / "anon")
+    assert Learner.load(folder, encoder_name="minilm").encoder_name == "minilm"
+    assert Learner.load(folder).encoder_name == ""

@@ -1,0 +1,184 @@
+"""Residual-linear reranker: Eq. 1, the folded inference path, and Top-M selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rmm.errors import DimensionMismatchError
+from rmm.reranker import ResidualLinearReranker
+from rmm.sampling import plackett_luce_logp
+from rmm.types import Candidates
+
+DIM = 12
+
+
+def make_candidates(k: int, dim: int = DIM, seed: int = 0, query: str = "q") -> Candidates:
+    """Dot-product retrieval output in shuffled order (retriever_scores = q·m)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(dim, generator=gen)
+    m = torch.randn(k, dim, generator=gen)
+    return Candidates(query, [f"{query}-{i}" for i in range(k)], m @ q, m, q, user_id="u")
+
+
+def randomise(reranker: ResidualLinearReranker, seed: int = 0, scale: float = 0.3) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        reranker.W_q.weight.copy_(torch.randn(reranker.dim, reranker.dim, generator=gen) * scale)
+        reranker.W_m.weight.copy_(torch.randn(reranker.dim, reranker.dim, generator=gen) * scale)
+
+
+def test_untrained_reranker_reproduces_retriever_order() -> None:
+    reranker = ResidualLinearReranker(DIM)
+    cands = [make_candidates(20, seed=s) for s in range(5)]
+    for sel, c in zip(reranker.select(cands, 5), cands):
+        expected = torch.argsort(c.retriever_scores, descending=True)[:5].tolist()
+        assert sel.chosen == expected
+        torch.testing.assert_close(sel.scores, c.retriever_scores)
+        assert sel.logp is None and sel.noise is None and not sel.explore
+        assert sel.memory_ids == [c.memory_ids[i] for i in expected]
+
+
+def test_folded_query_matrix_equals_plain_form() -> None:
+    reranker = ResidualLinearReranker(DIM)
+    randomise(reranker)
+    q = torch.randn(4, DIM)
+    m = torch.randn(4, 9, DIM)
+    plain = reranker(q, m)
+    torch.testing.assert_close(reranker.fast_scores(q, m), plain, rtol=1e-4, atol=1e-4)
+    eye = torch.eye(DIM)
+    a = (eye + reranker.W_q.weight).T @ (eye + reranker.W_m.weight)
+    torch.testing.assert_close(reranker.query_matrix(), a)
+    torch.testing.assert_close(((q @ a).unsqueeze(1) * m).sum(-1), plain, rtol=1e-4, atol=1e-4)
+    # The transposed convention would be wrong for non-symmetric weights.
+    wrong = (eye + reranker.W_m.weight).T @ (eye + reranker.W_q.weight)
+    assert not torch.allclose(((q @ wrong).unsqueeze(1) * m).sum(-1), plain, atol=1e-2)
+
+
+def test_folded_cache_follows_weight_changes() -> None:
+    reranker = ResidualLinearReranker(DIM)
+    q, m = torch.randn(2, DIM), torch.randn(2, 5, DIM)
+    before = reranker.fast_scores(q, m)
+    with torch.no_grad():
+        reranker.W_q.weight.add_(0.5)  # in-place: bumps _version
+    after = reranker.fast_scores(q, m)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, reranker(q, m).detach(), rtol=1e-4, atol=1e-4)
+    reranker.W_m.weight.data = torch.randn(DIM, DIM)  # swapped storage
+    torch.testing.assert_close(reranker.fast_scores(q, m), reranker(q, m).detach(), rtol=1e-4, atol=1e-4)
+    opt = torch.optim.SGD(reranker.parameters(), lr=0.1)
+    reranker(q, m).sum().backward()
+    opt.step()
+    torch.testing.assert_close(reranker.fast_scores(q, m), reranker(q, m).detach(), rtol=1e-4, atol=1e-4)
+    reranker.invalidate()
+    torch.testing.assert_close(reranker.fast_scores(q, m), reranker(q, m).detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_gradients_reach_only_the_reranker_weights() -> None:
+    reranker = ResidualLinearReranker(DIM)
+    q, m = torch.randn(3, DIM), torch.randn(3, 6, DIM)
+    scores = reranker(q, m)
+    assert scores.requires_grad
+    logp = plackett_luce_logp(scores, torch.tensor([[0, 1], [2, 3], [4, 5]]), 0.5)
+    logp.sum().backward()
+    for weight in (reranker.W_q.weight, reranker.W_m.weight):
+        assert weight.grad is not None and weight.grad.abs().sum() > 0
+    assert q.grad is None and m.grad is None
+    assert q.is_leaf and not q.requires_grad and m.is_leaf and not m.requires_grad
+    assert [n for n, _ in reranker.named_parameters()] == ["W_q.weight", "W_m.weight"]
+    assert reranker.fast_scores(q, m).requires_grad is False
+
+
+def test_select_ragged_and_empty_candidate_lists() -> None:
+    reranker = ResidualLinearReranker(DIM)
+    randomise(reranker, seed=1)
+    cands = [make_candidates(20, seed=1), make_candidates(3, seed=2), make_candidates(0, seed=3)]
+    for explore in (False, True):
+        sels = reranker.select(cands, 5, explore=explore, generator=torch.Generator().manual_seed(0))
+        assert [len(s.chosen) for s in sels] == [5, 3, 0]
+        assert [s.scores.shape[0] for s in sels] == [20, 3, 0]
+        for sel, c in zip(sels, cands):
+            assert sel.candidates is c and sel.explore is explore
+            assert len(set(sel.chosen)) == len(sel.chosen) and all(0 <= i < len(c) for i in sel.chosen)
+            expected = reranker.fast_scores(c.query_embedding[None], c.embeddings[None])[0]
+            torch.testing.assert_close(sel.scores, expected)
+            if explore:
+                assert sel.logp is not None and sel.logp.shape == (len(sel.chosen),)
+                assert sel.noise is not None and sel.noise.shape == (len(c),)
+                assert torch.isfinite(sel.logp).all()
+            else:
+                assert sel.chosen == torch.argsort(sel.scores, descending=True)[: len(sel.chosen)].tolist()
+    # The short list's picks, ragged or alone, are the same greedy order.
+    alone = reranker.select([cands[1]], 5)[0]
+    assert alone.chosen == reranker.select(cands, 5)[1].chosen
+
+
+def test_explore_logp_is_plackett_luce_and_seeded() -> None:
+    reranker = ResidualLinearReranker(DIM)
+    randomise(reranker, seed=2)
+    cands = [make_candidates(20, seed=s) for s in range(3)]
+    a = reranker.select(cands, 5, tau=0.5, explore=True, generator=torch.Generator().manual_seed(5))
+    b = reranker.select(cands, 5, tau=0.5, explore=True, generator=torch.Generator().manual_seed(5))
+    assert [s.chosen for s in a] == [s.chosen for s in b]
+    for sel in a:
+        expected = plackett_luce_logp(sel.scores[None], torch.tensor([sel.chosen]), 0.5)[0]
+        torch.testing.assert_close(sel.logp, expected)
+    many = reranker.select(cands * 30, 5, explore=True, generator=torch.Generator().manual_seed(6))
+    assert len({tuple(s.chosen) for s in many}) > 3  # exploration actually varies the picks
+
+
+def test_select_refuses_bad_input() -> None:
+    reranker = ResidualLinearReranker(DIM)
+    assert reranker.select([], 5) == []
+    with pytest.raises(DimensionMismatchError):
+        reranker.select([make_candidates(5, dim=DIM + 1)], 2)
+    bm25 = Candidates("q", ["a", "b"], torch.tensor([2.0, 1.0]))
+    with pytest.raises(ValueError, match="embeddings"):
+        reranker.select([bm25], 1)
+    with pytest.raises(ValueError, match="m must be"):
+        reranker.select([make_candidates(5)], -1)
+    (none,) = reranker.select([make_candidates(5)], 0, explore=True)  # m clipped to an empty bank
+    assert none.chosen == [] and none.scores.shape == (5,) and none.logp.shape == (0,)
+    with pytest.raises(ValueError, match="tau"):
+        reranker.select([make_candidates(5)], 2, tau=0.0, explore=True)
+    with pytest.raises(ValueError):
+        ResidualLinearReranker(0)
+
+
+def test_reranker_is_cheap_to_build_per_user() -> None:
+    rerankers = {f"user{i}": ResidualLinearReranker(DIM) for i in range(50)}
+    assert all(r.dim == DIM for r in rerankers.values())
+    assert sum(p.numel() for p in rerankers["user0"].parameters()) == 2 * DIM * DIM
+
+
+def test_policy_scores_equal_forward_in_values_and_gradients() -> None:
+    reranker = ResidualLinearReranker(DIM)
+    randomise(reranker, seed=4)
+    q, m = torch.randn(3, DIM), torch.randn(3, 7, DIM)
+    weights = torch.randn(3, 7)
+    plain = reranker(q, m)
+    (plain * weights).sum().backward()
+    plain_grads = [p.grad.clone() for p in reranker.parameters()]
+    reranker.zero_grad()
+    policy = reranker.policy_scores(q, m)
+    torch.testing.assert_close(policy, plain, rtol=1e-4, atol=1e-4)
+    (policy * weights).sum().backward()
+    for got, expected in zip((p.grad for p in reranker.parameters()), plain_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_query_transform_folds_only_once_weights_hold_still() -> None:
+    reranker = ResidualLinearReranker(DIM)
+    randomise(reranker, seed=5)
+    q, m = torch.randn(1, DIM), torch.randn(1, 4, DIM)
+    expected = reranker(q, m).detach()
+    for _ in range(DIM // 2 - 1):  # unfolded path: two d×d products per query
+        torch.testing.assert_close(reranker.fast_scores(q, m), expected, rtol=1e-4, atol=1e-4)
+    assert reranker._folded is None
+    torch.testing.assert_close(reranker.fast_scores(q, m), expected, rtol=1e-4, atol=1e-4)
+    assert reranker._folded is not None  # d/2 rows served by these weights: A is built
+    torch.testing.assert_close(reranker.fast_scores(q, m), expected, rtol=1e-4, atol=1e-4)
+    big = torch.randn(DIM, DIM)  # a batch as large as the fold's cost folds at once
+    reranker.invalidate()
+    torch.testing.assert_close(reranker.transform_queries(big), big @ reranker.query_matrix(), rtol=1e-4, atol=1e-4)
+    assert reranker._folded is not None
