@@ -85,20 +85,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+SHORT = {"recall": "R", "recall_any": "any", "recall_all": "all", "ndcg": "nDCG"}
+
+
 def _print_eval(report) -> None:
-    metrics = [f"{m}@{k}" for k in report.ks for m in ("recall", "recall_any", "recall_all", "ndcg")]
-    table = Table(title=f"{report.dataset} · {report.retriever} · {report.granularity} granularity (%)")
-    table.add_column("category")
+    metrics = [(f"{m}@{k}", f"{SHORT[m]}@{k}") for k in report.ks for m in SHORT]
+    table = Table(title=f"{report.dataset} · {report.retriever} · {report.granularity} granularity (%)",
+                  caption="R = fractional recall, any / all = recall_any / recall_all")
+    table.add_column("category", no_wrap=True)
     table.add_column("n", justify="right")
-    for m in metrics:
-        table.add_column(m, justify="right")
+    for _, short in metrics:
+        table.add_column(short, justify="right", no_wrap=True)
     separate = set(report.separate)
     for cat, row in report.by_category.items():
         table.add_row(f"{cat} {row['name']}" + (" (separate)" if cat in separate else ""), str(row["n"]),
-                      *(_fmt(row.get(m)) for m in metrics))
+                      *(_fmt(row.get(m)) for m, _ in metrics))
     label = "overall (" + ", ".join(c for c in report.by_category if c not in separate) + ")"
     table.add_row(f"[bold]{label}", f"[bold]{report.overall['n']}",
-                  *(f"[bold]{_fmt(report.overall.get(m))}" for m in metrics))
+                  *(f"[bold]{_fmt(report.overall.get(m))}" for m, _ in metrics))
     console.print(table)
     if report.skipped:
         console.print(f"[dim]{report.skipped} questions without gold evidence were skipped[/dim]")

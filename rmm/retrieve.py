@@ -47,9 +47,8 @@ class RerankedRetriever:
     def select(self, queries: list[str], user: str, *, explore: bool = False,
                generator: torch.Generator | None = None) -> list[Selection]:
         """The M memories to show for each query: sampled when exploring, the top-M otherwise."""
-        found = self.candidates(queries, user)
-        m = min(self.m, min((len(c) for c in found), default=self.m))
-        return self.reranker.select(found, m, tau=self.tau, explore=explore, generator=generator)
+        return self.reranker.select(self.candidates(queries, user), self.m, tau=self.tau, explore=explore,
+                                    generator=generator)
 
     def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
         """The Retriever protocol: each query's candidates in reranked order, truncated to k."""

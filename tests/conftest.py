@@ -44,13 +44,13 @@ def minilm_path() -> Path:
 
 TOPICS = [
     ("hiking", "I went hiking in the Alps with my sister last weekend", "Where did they go hiking?"),
-    ("painting", "I finished a watercolor painting of a lighthouse", "What did they paint?"),
-    ("dog", "We adopted a golden retriever puppy named Max", "What is the name of their dog?"),
-    ("job", "I started a new job as a nurse at the city hospital", "What is their new job?"),
+    ("painting", "I finished a watercolor painting of a lighthouse", "What painting did they finish?"),
+    ("dog", "We adopted a golden retriever puppy named Max", "What is the name of their puppy?"),
+    ("job", "I started a new job as a nurse at the city hospital", "What is their new job at the hospital?"),
     ("book", "I am reading a novel about a detective in Tokyo", "What novel are they reading?"),
-    ("cooking", "I baked sourdough bread for the first time", "What did they bake?"),
-    ("music", "I play the cello in a community orchestra", "Which instrument do they play?"),
-    ("travel", "We booked a trip to Lisbon for the summer holidays", "Where are they travelling?"),
+    ("cooking", "I baked sourdough bread for the first time", "What sourdough bread did they bake?"),
+    ("music", "I play the cello in a community orchestra", "Which orchestra instrument do they play?"),
+    ("travel", "We booked a trip to Lisbon for the summer holidays", "Where is their trip booked?"),
 ]
 FILLER = ["That sounds great!", "Haha, nice.", "How are you doing today?", "Talk soon, bye!"]
 

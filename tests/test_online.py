@@ -1,0 +1,166 @@
+"""The online training program: it learns what citations reward, resumes exactly, splits honestly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rmm.bank import MemoryBank
+from rmm.corpus import fill
+from rmm.retrieve import RerankedRetriever
+from rmm.training.online import OnlineConfig, OnlineTrainer, recipe_for, split_questions
+from rmm.types import Dataset, Question, Session, Turn
+
+DIM = 16
+
+
+class TableEncoder:
+    """Looks vectors up by text: lets a test build a retrieval problem with a known structure."""
+
+    def __init__(self, table: dict[str, torch.Tensor]) -> None:
+        self.table, self.dim, self.name = table, DIM, "table"
+        self.fingerprint = "table-encoder"
+
+    def encode_queries(self, texts: list[str]) -> torch.Tensor:
+        return torch.stack([self.table[t] for t in texts])
+
+    def encode_passages(self, texts: list[str]) -> torch.Tensor:
+        return self.encode_queries([t.split(": ", 1)[-1] for t in texts])  # memories read "speaker: text"
+
+
+def hidden_feature_problem(n_users: int = 6, n_questions: int = 30, seed: int = 0):
+    """Gold turns carry a feature (dim 15) the query never looks at, while three decoy turns per
+    question match the query slightly better; every query has a constant component (dim 14)
+    through which a learned W_m can reward the feature. Only citations reveal it."""
+    g = torch.Generator().manual_seed(seed)
+    table: dict[str, torch.Tensor] = {}
+    sessions, questions = {}, []
+    for u in range(n_users):
+        user = f"u{u}"
+        turns = []
+        for j in range(n_questions):
+            topic = torch.randn(12, generator=g)
+            table[f"{user} q{j}"] = torch.cat([topic, torch.tensor([0.0, 0.0, 1.0, 0.0])])
+            for i, (scale, hidden) in enumerate([(0.6, 1.0), (0.7, 0.0), (0.7, 0.0), (0.7, 0.0)]):
+                text = f"{user} turn {j}.{i}"
+                noise = torch.randn(12, generator=g) * 0.05
+                table[text] = torch.cat([topic * scale + noise, torch.tensor([0.0, 0.0, 0.0, hidden])])
+                turns.append(Turn(id=f"{user}:D1:{4 * j + i}", session_id=f"{user}:S1", speaker="A", text=text))
+            questions.append(Question(id=f"{user}:q{j}", user_id=user, text=f"{user} q{j}", answer="",
+                                      evidence_turns=[f"{user}:D1:{4 * j}"], evidence_sessions=[f"{user}:S1"],
+                                      category=1))
+        sessions[user] = [Session(id=f"{user}:S1", user_id=user, turns=turns)]
+    return Dataset("synthetic", sessions, questions, {1: "synthetic"}), TableEncoder(table)
+
+
+@pytest.fixture
+def problem(tmp_path):
+    dataset, encoder = hidden_feature_problem()
+    bank = MemoryBank(tmp_path / "bank", encoder)
+    fill(bank, dataset, "turn", progress=False)
+    yield dataset, bank
+    bank.close()
+
+
+def config(**kw) -> OnlineConfig:
+    return OnlineConfig(**{"tau": 0.1, "baseline": "mean", "lr": 3e-2, "k": 10, "m": 3, "eval_k": 1, "heldout_fraction": 0.34,
+                           "epochs": 2, **kw})
+
+
+def test_reranker_learns_from_citations_and_generalises(problem):
+    dataset, bank = problem
+    report = OnlineTrainer(dataset, bank, config(), progress=False).run()
+    before, after = report.retriever_heldout["recall@1"], report.reranker_heldout["recall@1"]
+    assert after > before + 0.2, (before, after)
+    assert report.reranker_prequential["recall@1"] > report.retriever["recall@1"]
+    assert report.citer.startswith("simulated")
+    assert len(report.cited_ratio) == config().epochs * len(OnlineTrainer(dataset, bank, config(), progress=False).split.train)
+
+
+def test_untrained_reranker_scores_like_the_retriever(problem):
+    dataset, bank = problem
+    trainer = OnlineTrainer(dataset, bank, config(lr=1e-12, epochs=1), progress=False)
+    report = trainer.run()
+    assert report.reranker_heldout["recall@1"] == pytest.approx(report.retriever_heldout["recall@1"])
+
+
+def test_runs_are_repeatable(problem):
+    dataset, bank = problem
+    a = OnlineTrainer(dataset, bank, config(epochs=1), progress=False).run()
+    b = OnlineTrainer(dataset, bank, config(epochs=1), progress=False).run()
+    assert a.to_json() == b.to_json()
+
+
+def test_interrupted_run_resumes_to_the_same_result(problem, tmp_path, monkeypatch):
+    dataset, bank = problem
+    cfg = config(epochs=1, checkpoint_every=7)
+    straight = OnlineTrainer(dataset, bank, cfg, progress=False).run()
+
+    out = tmp_path / "run"
+    interrupted = OnlineTrainer(dataset, bank, cfg, output_dir=out, progress=False)
+    real_step, calls = interrupted.step, {"n": 0}
+
+    def crash_after_30(*args):
+        calls["n"] += 1
+        if calls["n"] > 30:
+            raise KeyboardInterrupt
+        real_step(*args)
+
+    monkeypatch.setattr(interrupted, "step", crash_after_30)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.run()
+    resumed = OnlineTrainer(dataset, bank, cfg, output_dir=out, progress=False)
+    assert resumed.run().to_json() == straight.to_json()
+
+
+def test_resume_refuses_a_different_configuration(problem, tmp_path):
+    dataset, bank = problem
+    out = tmp_path / "run"
+    OnlineTrainer(dataset, bank, config(epochs=1), output_dir=out, progress=False).run()
+    with pytest.raises(ValueError, match="different configuration"):
+        OnlineTrainer(dataset, bank, config(epochs=1, lr=1e-2), output_dir=out, progress=False).run()
+
+
+def test_shared_split_holds_out_whole_users_and_per_user_holds_out_last_questions(problem):
+    dataset, _ = problem
+    shared = split_questions(dataset, dataset.questions, config())
+    assert not set(shared.train_users) & set(shared.heldout_users)
+    assert {q.user_id for q in shared.heldout} == set(shared.heldout_users)
+    per_user = split_questions(dataset, dataset.questions, config(per_user=True))
+    for user in dataset.users:
+        mine = [q.id for q in dataset.questions if q.user_id == user]
+        held = [q.id for q in per_user.heldout if q.user_id == user]
+        assert held == mine[-len(held):] and 0 < len(held) < len(mine)
+
+
+def test_per_user_mode_trains_one_reranker_per_user(problem):
+    dataset, bank = problem
+    trainer = OnlineTrainer(dataset, bank, config(per_user=True, epochs=1), progress=False)
+    trainer.run()
+    assert set(trainer.learners) == set(dataset.users)
+
+
+def test_whole_bank_search_equals_topk_rerank_when_untrained(problem):
+    dataset, bank = problem
+    trainer = OnlineTrainer(dataset, bank, config(), progress=False)
+    reranker = trainer.learner_for("u0").reranker
+    qs = [q.text for q in dataset.questions_of("u0")[:5]]
+    topk = RerankedRetriever(bank, reranker, k=10, m=3, scope="topk").select(qs, "u0")
+    whole = RerankedRetriever(bank, reranker, k=10, m=3, scope="bank").select(qs, "u0")
+    assert [s.memory_ids for s in topk] == [s.memory_ids for s in whole]
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="citer"):
+        OnlineConfig(citer="gpt")
+    with pytest.raises(ValueError, match="heldout"):
+        OnlineConfig(heldout_fraction=1.0)
+    with pytest.raises(ValueError, match="M=30"):
+        OnlineConfig(m=30, k=20)
+    with pytest.raises(ValueError, match="recipe"):
+        recipe_for("fast", True)
+    assert recipe_for("auto", True)["recipe"] == "normalized"
+    assert recipe_for("auto", False) == {"recipe": "paper"}
+    assert dataclasses.asdict(OnlineConfig())["tau"] == 0.5  # the paper's defaults stay the defaults
