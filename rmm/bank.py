@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from rmm.device import resolve_device
-from rmm.errors import CorruptFileError, DimensionMismatchError, EncoderMismatchError, RmmError, UnknownUserError
+from rmm.errors import CorruptFileError, DimensionMismatchError, EncoderMismatchError, RmmError
 from rmm.index import BACKENDS, VectorIndex, index_file_info, load_index, make_index
 from rmm.store import MemoryStore
 from rmm.types import Candidates, Memory
@@ -44,7 +44,6 @@ BANK_FILE = "bank.json"
 STORE_FILE = "memories.sqlite"
 INDEX_DIR = "index"
 _BANK_FORMAT = 1
-_MAX_LISTED_USERS = 10
 
 
 class EncoderLike(Protocol):
@@ -194,17 +193,9 @@ class MemoryBank:
             "options": json.dumps(self.index_options, sort_keys=True),
         }
 
-    def _require_user(self, user: str) -> None:
-        if not isinstance(user, str) or not user:
-            raise ValueError(f"user must be a non-empty string, got {user!r}")
-        if not self.store.has_user(user):
-            users = self.store.users()
-            hint = f"known users: {users}" if len(users) <= _MAX_LISTED_USERS else f"the bank has {len(users)} users"
-            raise UnknownUserError(f"unknown user {user!r} in bank {self.path}; {hint if users else 'the bank is empty'}")
-
     def _index_for(self, user: str) -> VectorIndex:
         """The user's index at the store's current generation: cached, loaded, or rebuilt."""
-        self._require_user(user)
+        self.store.require_user(user)
         generation = self.store.generation(user)
         cached = self._indexes.get(user)
         if cached is not None and cached.generation == generation:
@@ -316,7 +307,7 @@ class MemoryBank:
             raise ValueError(f"memory {memory.id!r} belongs to user {memory.user_id!r}, not {user!r}")
         with self._lock:
             self._check_open()
-            self._require_user(user)
+            self.store.require_user(user)
             (old,) = self.store.get(user, [memory.id])
             updated = replace(memory, created_at=old.created_at, updated_at=max(time.time(), old.updated_at + 1e-6))
             vector = self._encode([updated.text], queries=False) if updated.text != old.text else None
@@ -335,7 +326,7 @@ class MemoryBank:
         ids = list(dict.fromkeys(ids))
         with self._lock:
             self._check_open()
-            self._require_user(user)
+            self.store.require_user(user)
             before = self.store.generation(user)
             self.store.delete(user, ids)
             if ids:
@@ -344,7 +335,7 @@ class MemoryBank:
     def delete_user(self, user: str) -> None:
         with self._lock:
             self._check_open()
-            self._require_user(user)
+            self.store.require_user(user)
             self.store.delete_user(user)
             self._indexes.pop(user, None)
             self._index_path(user).unlink(missing_ok=True)
@@ -355,16 +346,16 @@ class MemoryBank:
         return self.store.users()
 
     def get(self, user: str, ids: list[str]) -> list[Memory]:
-        self._require_user(user)
+        self.store.require_user(user)
         return self.store.get(user, ids)
 
     def memories(self, user: str) -> list[Memory]:
-        self._require_user(user)
+        self.store.require_user(user)
         return self.store.memories(user)
 
     def embeddings(self, user: str, ids: list[str]) -> torch.Tensor:
         """Stored embeddings [len(ids), d] in the order of `ids`."""
-        self._require_user(user)
+        self.store.require_user(user)
         return self.store.embeddings(user, list(ids))[1]
 
     def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
@@ -373,7 +364,7 @@ class MemoryBank:
             raise TypeError("queries must be a list of strings (got one string)")
         queries = list(queries)
         self._check_k(k)
-        self._require_user(user)
+        self.store.require_user(user)
         if not queries:
             return []
         return self.search_embeddings(self._encode(queries, queries=True), user, k, queries=queries)

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from rmm.errors import UnknownUserError
 from rmm.store import MemoryStore
 from rmm.types import Candidates
 
@@ -28,7 +27,6 @@ __all__ = ["BM25Retriever"]
 
 log = logging.getLogger(__name__)
 
-_MAX_LISTED_USERS = 10
 
 
 @dataclass
@@ -48,17 +46,11 @@ class BM25Retriever:
         self._lock = threading.RLock()
         self._cache: dict[str, _UserBM25] = {}
 
-    def _require_user(self, user: str) -> None:
-        if not self.store.has_user(user):
-            users = self.store.users()
-            hint = f"known users: {users}" if len(users) <= _MAX_LISTED_USERS else f"the store has {len(users)} users"
-            raise UnknownUserError(f"unknown user {user!r}; {hint if users else 'the store is empty'}")
-
     def _user_index(self, user: str) -> _UserBM25:
         import bm25s
         from bm25s.tokenization import Tokenizer
 
-        self._require_user(user)
+        self.store.require_user(user)
         generation = self.store.generation(user)
         cached = self._cache.get(user)
         if cached is not None and cached.generation == generation:

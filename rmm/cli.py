@@ -1,4 +1,4 @@
-"""The `rmm` command: evaluate retrievers, train the reranker online, fetch data.
+"""The `rmm` command: evaluate retrievers, train the reranker online, chat, fetch data.
 
 Applications wire objects and report; the work happens in the library. Errors rmm raises on bad
 input are printed as one clear line (exit 2), never as a traceback.
@@ -68,16 +68,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rmm.eval.retrieval import evaluate
 
     dataset = _load(args)
+    llm = _load_llm(args.llm) if args.llm and "topic" in args.granularity else None
+    reflector = {"merge_threshold": args.merge_threshold} if "topic" in args.granularity else None
     reports = {}
     for granularity in args.granularity:
         for name in args.retriever:
             opened = open_retriever(name, dataset, granularity, cache=args.cache_dir, device=args.device,
-                                    batch_size=args.batch_size, index_backend=args.index)
+                                    batch_size=args.batch_size, index_backend=args.index,
+                                    llm=llm if granularity == "topic" else None,
+                                    reflector_options=reflector if granularity == "topic" else None)
             t0 = time.perf_counter()
-            report = evaluate(dataset, opened.retriever, granularity, args.k, retriever_name=name)
+            label = name if granularity != "topic" else f"{name} ({'PR: ' + llm.name if llm else 'PR: fallback topics'})"
+            report = evaluate(dataset, opened.retriever, granularity, args.k, retriever_name=label)
             log.info("evaluated %s/%s in %.1fs", name, granularity, time.perf_counter() - t0)
             reports[f"{name}/{granularity}"] = report
-            _print_eval(report)
+            if len(args.granularity) == 1:
+                _print_eval(report)
+    if len(args.granularity) > 1:
+        for name in args.retriever:
+            _print_granularities([reports[f"{name}/{g}"] for g in args.granularity], name)
     if len(reports) == 1:
         _write_json(args.json, next(iter(reports.values())).to_json())
     else:
@@ -106,6 +115,131 @@ def _print_eval(report) -> None:
     console.print(table)
     if report.skipped:
         console.print(f"[dim]{report.skipped} questions without gold evidence were skipped[/dim]")
+
+
+def _print_granularities(reports: list, retriever: str) -> None:
+    """One table, granularities side by side (the paper's Fig. 4 comparison)."""
+    first = reports[0]
+    metrics = [(f"{m}@{k}", f"{SHORT[m]}@{k}") for k in first.ks for m in ("recall", "ndcg")]
+    table = Table(title=f"{first.dataset} · {retriever} · memory granularity (%)",
+                  caption="turn and topic scored on gold turns (topic through its refs); session on gold sessions. "
+                          "topic = prospective reflection" + ("" if "PR: " not in reports[-1].retriever
+                                                              else f" [{reports[-1].retriever}]"))
+    table.add_column("category", no_wrap=True)
+    table.add_column("n", justify="right")
+    for r in reports:
+        for _, short in metrics:
+            table.add_column(f"{r.granularity} {short}", justify="right", no_wrap=True)
+    separate = set(first.separate)
+    for cat, row in first.by_category.items():
+        cells = [_fmt(r.by_category.get(cat, {}).get(m)) for r in reports for m, _ in metrics]
+        table.add_row(f"{cat} {row['name']}" + (" (separate)" if cat in separate else ""), str(row["n"]), *cells)
+    label = "overall (" + ", ".join(c for c in first.by_category if c not in separate) + ")"
+    table.add_row(f"[bold]{label}", f"[bold]{first.overall['n']}",
+                  *(f"[bold]{_fmt(r.overall.get(m))}" for r in reports for m, _ in metrics))
+    console.print(table)
+
+
+def _load_llm(spec: str, **options: Any):
+    from rmm.llm import load_llm
+
+    return load_llm(spec, **options)
+
+
+# -- rmm chat -------------------------------------------------------------------------------------
+def cmd_chat(args: argparse.Namespace) -> int:
+    from rmm.agent import Agent
+    from rmm.bank import MemoryBank
+    from rmm.encoders import load_encoder
+
+    if args.frontend != "direct":
+        raise RmmError(f"front end {args.frontend!r} is not available; use direct")
+    llm = _load_llm(args.llm)
+    bank = MemoryBank(args.bank, load_encoder(args.encoder, device=args.device), device=args.device)
+    agent = Agent(bank, llm, k=args.k, m=args.m, tau=args.tau, learn=not args.no_learn, structured=args.structured,
+                  per_user=args.per_user, store_turns=args.store_turns)
+    console.print(f"[bold]rmm chat[/bold] · user {args.user} · {llm.name} · bank {args.bank}\n"
+                  "[dim]/end ends the session (prospective reflection) · /memories lists memories · "
+                  "/quit saves and exits[/dim]")
+    try:
+        while True:
+            try:
+                line = input(f"{args.user}> ").strip()
+            except EOFError:
+                break
+            if not line:
+                continue
+            if line == "/quit":
+                break
+            if line == "/end":
+                touched = agent.end_session(args.user)
+                console.print(f"[green]session ended[/green]: {len(touched)} topic memories added or merged")
+                continue
+            if line == "/memories":
+                _print_memories(bank, args.user)
+                continue
+            response = agent.respond(args.user, line)
+            console.print(f"[bold]assistant>[/bold] {response.answer}", highlight=False)
+            for memory in response.cited:
+                console.print(f"  [dim]cited:[/dim] {_short(memory.text)}", highlight=False)
+            if response.selection is not None and response.feedback.rewards is None:
+                console.print("  [dim](no parseable citation: the reranker skipped this answer)[/dim]")
+    finally:
+        agent.close()
+        bank.close()
+        llm.close()
+    console.print("saved")
+    return 0
+
+
+def _short(text: str, width: int = 100) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _print_memories(bank, user: str) -> None:
+    if not bank.store.has_user(user):
+        console.print("[dim]no memories yet[/dim]")
+        return
+    for memory in bank.memories(user):
+        console.print(f"  [{memory.kind}] {_short(memory.text)}  [dim]({len(memory.refs)} turns)[/dim]", highlight=False)
+
+
+# -- rmm eval-qa ----------------------------------------------------------------------------------
+def cmd_eval_qa(args: argparse.Namespace) -> int:
+    from rmm.corpus import open_retriever
+    from rmm.eval.qa import evaluate_qa
+
+    dataset = _load(args)
+    llm = _load_llm(args.llm)
+    judge = _load_llm(args.judge_llm) if args.judge_llm else llm
+    opened = open_retriever(args.retriever, dataset, args.granularity, cache=args.cache_dir, device=args.device,
+                            batch_size=args.batch_size, llm=llm if args.granularity == "topic" and
+                            not llm.name.startswith("simulated") else None)
+    if opened.encoder is None:
+        raise RmmError(f"the agent's reranker needs a dense retriever; {args.retriever!r} has none")
+    report = evaluate_qa(dataset, opened.retriever, llm, judge, granularity=args.granularity, limit=args.limit,
+                         k=args.k, m=args.m)
+    _print_qa(report)
+    _write_json(args.json, report.to_json())
+    return 0
+
+
+def _print_qa(report) -> None:
+    simulated = report.simulated
+    title = f"{report.dataset} QA through the agent · {report.llm} · {report.granularity} memories"
+    table = Table(title=title, caption="simulated generator: no answers, so no judge or F1 — citation and "
+                                       "recall figures only" if simulated else "judge = LLM-judge accuracy (%)")
+    columns = ["cited precision", "shown recall"] if simulated else ["judge", "F1", "cited precision", "shown recall"]
+    table.add_column("category")
+    table.add_column("n", justify="right")
+    for c in columns:
+        table.add_column(c, justify="right")
+    keys = {"judge": "judge", "F1": "f1", "cited precision": "cited_precision", "shown recall": "shown_recall"}
+    for cat, row in {**report.by_category, "overall": report.overall}.items():
+        table.add_row(str(cat) + (f" {row['name']}" if row.get("name") else ""), str(row["n"]),
+                      *(_fmt(row.get(keys[c])) for c in columns))
+    console.print(table)
 
 
 # -- rmm train / quickstart ----------------------------------------------------------------------
@@ -248,12 +382,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="locomo", help="locomo | longmemeval[:s|m|oracle] | msc | a file")
     p.add_argument("--retriever", nargs="+", default=[DEFAULT_RETRIEVER],
                    help="minilm | bm25 | contriever | stella | gte | an encoder folder (several allowed)")
-    p.add_argument("--granularity", nargs="+", choices=("turn", "session"), default=["turn"])
+    p.add_argument("--granularity", nargs="+", choices=("turn", "session", "topic"), default=["turn"],
+                   help="memory units; topic = built by prospective reflection (several: one comparison table)")
     p.add_argument("--k", type=int, nargs="+", default=[5, 10])
     p.add_argument("--index", default="torch", help="torch | faiss-flat | faiss-ivf | faiss-hnsw")
+    p.add_argument("--llm", help="LLM spec for topic extraction (default: the labelled non-LLM fallback)")
+    p.add_argument("--merge-threshold", type=float, default=0.8,
+                   help="fallback topics: cosine above which a topic merges into an existing one")
     p.add_argument("--json", help="write the numbers as JSON")
     _common(p)
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("chat", help="terminal chat with the RMM agent (memories, citations, online reranker)")
+    p.add_argument("--bank", required=True, help="bank folder (created if absent)")
+    p.add_argument("--user", required=True)
+    p.add_argument("--llm", required=True, help="openai:URL@MODEL | hf:PATH | vllm:PATH | simulated")
+    p.add_argument("--encoder", default=DEFAULT_RETRIEVER, help="encoder preset or folder (must match the bank)")
+    p.add_argument("--frontend", default="direct", choices=("direct",), help="query front end")
+    p.add_argument("--k", type=int, default=20)
+    p.add_argument("--m", type=int, default=5)
+    p.add_argument("--tau", type=float, default=0.5)
+    p.add_argument("--no-learn", action="store_true", help="greedy top-M, no reranker updates")
+    p.add_argument("--structured", action="store_true", help="JSON answers under the schema")
+    p.add_argument("--per-user", action="store_true", help="one reranker per user")
+    p.add_argument("--store-turns", action="store_true", help="also store raw turns as memories at /end")
+    p.add_argument("--device", default="auto")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("eval-qa", help="answer benchmark questions through the agent; judge accuracy and F1")
+    p.add_argument("--dataset", default="locomo")
+    p.add_argument("--llm", required=True, help="generator spec (simulated: citations and recall only)")
+    p.add_argument("--judge-llm", help="judge spec (default: the generator)")
+    p.add_argument("--retriever", default=DEFAULT_RETRIEVER)
+    p.add_argument("--granularity", default="turn", choices=("turn", "session", "topic"))
+    p.add_argument("--limit", type=int, help="answer at most N questions (in dataset order)")
+    p.add_argument("--k", type=int, default=20)
+    p.add_argument("--m", type=int, default=5)
+    p.add_argument("--json", help="write the numbers as JSON")
+    _common(p)
+    p.set_defaults(func=cmd_eval_qa)
 
     p = sub.add_parser("train", help="train the reranker online from citations and report the lift")
     _train_options(p)
@@ -276,10 +444,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_transformers() -> None:
+    """Our own progress bars say what is happening; transformers' per-load weight bar is noise."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    _quiet_transformers()
     try:
         return args.func(args)
     except RmmError as e:

@@ -10,24 +10,34 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from rmm.bank import MemoryBank
 from rmm.bm25 import BM25Retriever
 from rmm.encoders import Encoder, load_encoder
+from rmm.errors import RmmError
 from rmm.paths import cache_dir
 from rmm.store import MemoryStore
 from rmm.types import Dataset, Memory, Retriever
 
+if TYPE_CHECKING:
+    from rmm.llm.base import LLM
+    from rmm.reflection import ProspectiveReflector
+
 log = logging.getLogger(__name__)
 
-GRANULARITIES = ("turn", "session")
+GRANULARITIES = ("turn", "session", "topic")
+STATIC_GRANULARITIES = ("turn", "session")  # topic memories come from prospective reflection
 LEXICAL_RETRIEVERS = ("bm25",)
 
 
 def documents(dataset: Dataset, user: str, granularity: str) -> list[Memory]:
-    """One memory per turn or per session, each carrying refs to the turns it holds."""
+    """One memory per turn or per session, each carrying refs to the turns it holds.
+
+    Topic memories are not a fixed function of the dialogue: `fill_topics` builds them.
+    """
     if granularity == "turn":
         return [
             Memory(id=t.id, user_id=user, kind="turn", text=f"{t.speaker}: {t.text}", refs=[t.id],
@@ -40,6 +50,8 @@ def documents(dataset: Dataset, user: str, granularity: str) -> list[Memory]:
                    source_text=s.text(), time_span=(s.time, s.time))
             for s in dataset.sessions[user] if s.turns
         ]
+    if granularity == "topic":
+        raise ValueError("topic memories are built by prospective reflection: use fill_topics / open_retriever")
     raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
 
 
@@ -70,6 +82,23 @@ def fill(bank_or_store: MemoryBank | MemoryStore, dataset: Dataset, granularity:
             bank_or_store.add(docs)
 
 
+def fill_topics(bank: MemoryBank, dataset: Dataset, reflector: ProspectiveReflector, progress: bool = True) -> None:
+    """Each user's topic bank: prospective reflection over their sessions, in order.
+
+    A user is marked done in the store's metadata only when every session was reflected, so an
+    interrupted build is redone for that user rather than left half-merged.
+    """
+    for user in tqdm(dataset.users, desc="building topic bank", unit="user", disable=not progress):
+        if bank.store.get_meta(f"topics-done:{user}") == "1" and bank.store.has_user(user):
+            continue
+        if bank.store.has_user(user):
+            bank.delete_user(user)
+        for session in dataset.sessions[user]:
+            reflector.reflect(session)
+        bank.store.set_meta(f"topics-done:{user}", "1")
+    log.info("prospective reflection stats: %s", reflector.stats)
+
+
 @dataclass
 class DatasetRetriever:
     """A retriever over a dataset plus what built it (for reports and reuse)."""
@@ -82,10 +111,22 @@ class DatasetRetriever:
 
 def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str | Path | None = None,
                    device: str = "auto", index_backend: str = "torch", batch_size: int = 64,
-                   progress: bool = True) -> DatasetRetriever:
-    """`bm25`, an encoder preset, or an encoder folder → a filled, cached retriever for `dataset`."""
+                   progress: bool = True, llm: LLM | None = None,
+                   reflector_options: dict[str, Any] | None = None) -> DatasetRetriever:
+    """`bm25`, an encoder preset, or an encoder folder → a filled, cached retriever for `dataset`.
+
+    Topic granularity builds the bank by prospective reflection (with `llm`, else the labelled
+    non-LLM fallback); the cache key includes the reflector's settings.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     digest = dataset_digest(dataset, granularity)
     root = cache_dir(cache) / "banks"
+    if granularity == "topic":
+        if name in LEXICAL_RETRIEVERS:
+            raise RmmError("topic memories are built with embeddings: use a dense retriever, not bm25")
+        return _open_topic_bank(name, dataset, root, digest, device=device, index_backend=index_backend,
+                                batch_size=batch_size, progress=progress, llm=llm, options=reflector_options or {})
     if name in LEXICAL_RETRIEVERS:
         path = root / f"{dataset.name}-{granularity}-{digest}-bm25.sqlite"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,3 +140,28 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
     fill(bank, dataset, granularity, progress)
     log.info("bank for %s/%s with %s at %s", dataset.name, granularity, encoder.name, path)
     return DatasetRetriever(name, bank, encoder, path)
+
+
+def _open_topic_bank(name: str, dataset: Dataset, root: Path, digest: str, *, device: str, index_backend: str,
+                     batch_size: int, progress: bool, llm: LLM | None, options: dict[str, Any]) -> DatasetRetriever:
+    from rmm.reflection import ProspectiveReflector, SegmenterConfig
+
+    encoder = load_encoder(name, device=device, batch_size=batch_size)
+    enc_key = hashlib.sha256(encoder.fingerprint.encode()).hexdigest()[:12]
+    options = dict(options)
+    segmenter = SegmenterConfig(**options.pop("segmenter", {}))
+    probe = ProspectiveReflector(_KeyOnly(encoder), llm, segmenter=segmenter, **options)  # type: ignore[arg-type]
+    settings = hashlib.sha256(probe.settings_key.encode()).hexdigest()[:10]
+    path = root / f"{dataset.name}-topic-{digest}-{enc_key}-{settings}"
+    bank = MemoryBank(path, encoder, index_backend=index_backend, device=device)
+    reflector = ProspectiveReflector(bank, llm, segmenter=segmenter, **options)
+    fill_topics(bank, dataset, reflector, progress)
+    log.info("topic bank for %s with %s (%s) at %s", dataset.name, encoder.name, probe.settings_key, path)
+    return DatasetRetriever(name, bank, encoder, path)
+
+
+@dataclass
+class _KeyOnly:
+    """Just enough of a bank to ask a reflector for its settings key before the bank exists."""
+
+    encoder: Encoder

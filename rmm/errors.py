@@ -43,3 +43,7 @@ class ModelNotFoundError(RmmError, FileNotFoundError):
 
 class CheckpointError(RmmError):
     """A reranker checkpoint that is missing, corrupt, or incompatible."""
+
+
+class LLMError(RmmError):
+    """An LLM backend that failed: transport errors, refusals, missing engines, bad responses."""

@@ -391,6 +391,13 @@ class MemoryStore:
         with self._read() as conn:
             return [r[0] for r in conn.execute("SELECT user_id FROM users WHERE active=1 ORDER BY user_id")]
 
+    def require_user(self, user: str) -> None:
+        """Raise `UnknownUserError` (naming the users there are) unless `user` has memories here."""
+        if not isinstance(user, str) or not user:
+            raise ValueError(f"user must be a non-empty string, got {user!r}")
+        with self._read() as conn:
+            self._require_user(conn, user)
+
     def has_user(self, user: str) -> bool:
         with self._read() as conn:
             return conn.execute("SELECT 1 FROM users WHERE user_id=? AND active=1", (user,)).fetchone() is not None

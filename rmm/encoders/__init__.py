@@ -6,12 +6,12 @@ from rmm.encoders.presets import DEFAULT_ENCODER, PRESETS, Preset, load_encoder
 
 __all__ = [
     "DEFAULT_ENCODER",
+    "POOLING_MODES",
+    "PRESETS",
     "DenseHead",
     "Encoder",
     "EncoderConfig",
     "EncoderError",
-    "POOLING_MODES",
-    "PRESETS",
     "Preset",
     "load_encoder",
     "pool",

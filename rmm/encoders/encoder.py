@@ -12,9 +12,10 @@ import hashlib
 import inspect
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import load_file as load_safetensors
@@ -171,7 +172,7 @@ class OneDnnLinear(nn.Linear):
     code that reuses `Encoder.model` is unaffected.
     """
 
-    def forward(self, input: Tensor) -> Tensor:  # noqa: A002  (nn.Linear's own argument name)
+    def forward(self, input: Tensor) -> Tensor:
         if (not torch.is_grad_enabled() and input.device.type == "cpu" and input.dtype == torch.float32
                 and self.weight.dtype == torch.float32):
             return torch.ops.mkldnn._linear_pointwise(input, self.weight, self.bias, "none", [], "")

@@ -149,7 +149,7 @@ def _hf_cache_snapshot(repo: str) -> Path | None:
         from huggingface_hub import snapshot_download
 
         path = Path(snapshot_download(repo, local_files_only=True))
-    except Exception as err:  # LocalEntryNotFoundError, offline-mode errors, a broken cache: all mean "absent"
+    except (OSError, ValueError) as err:  # not cached, offline mode, a malformed repo id: all "absent"
         logger.debug("%s not in the local Hugging Face cache: %s", repo, err)
         return None
     return path if (path / "config.json").is_file() else None

@@ -1,0 +1,167 @@
+"""The RMM dialogue agent — Algorithm 1 of the paper.
+
+    respond(user, q):  M_K ← retrieve(q)  →  M_M ← rerank(q, M_K)  →  a, R ← LLM(q, S, M_M)
+                       →  reranker ← RL_Update(R)  →  S.append(q, a)
+    end_session(user): M ← extract(S); for m in M: B ← update(B, m); S ← []
+
+Everything persists beside the bank: the open sessions (`sessions.sqlite`) and the reranker
+checkpoint (`reranker/`, or `reranker/users/<user>/` with one reranker per user), saved
+atomically every `checkpoint_every` learning steps and on `close()`.
+
+Decision (the paper is silent): `end_session` stores topic memories only, as the paper does;
+`store_turns=True` also stores each raw turn as a turn memory. Topic extraction looks only at
+the user's own turns' speaker by default (memories about the assistant help nobody).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from rmm.bank import MemoryBank
+from rmm.learner import Learner, LearnerConfig
+from rmm.reflection import CitationFeedback, ProspectiveReflector, reflect_citations
+from rmm.reranker import ResidualLinearReranker
+from rmm.retrieve import RerankedRetriever
+from rmm.session_log import SessionLog
+from rmm.types import Memory, Selection, Turn
+
+if TYPE_CHECKING:
+    from rmm.llm.base import LLM
+
+__all__ = ["Agent", "Response", "ASSISTANT"]
+
+log = logging.getLogger(__name__)
+
+ASSISTANT = "assistant"
+CHECKPOINT_DIR = "reranker"
+SESSIONS_FILE = "sessions.sqlite"
+
+
+@dataclass
+class Response:
+    answer: str
+    cited: list[Memory]  # the shown memories the answer cites
+    shown: list[Memory]  # the M memories given to the LLM, in shown order
+    selection: Selection | None  # None when the user has no memories yet
+    raw_text: str
+    feedback: CitationFeedback
+
+
+class Agent:
+    def __init__(self, bank: MemoryBank, llm: LLM, *, learner: Learner | None = None, per_user: bool = False,
+                 reflector: ProspectiveReflector | None = None, k: int = 20, m: int = 5, tau: float = 0.5,
+                 learn: bool = True, structured: bool = False, sessions: SessionLog | None = None,
+                 checkpoint_dir: str | Path | None = None, checkpoint_every: int = 10, store_turns: bool = False,
+                 learner_config: LearnerConfig | None = None, seed: int = 0) -> None:
+        if m > k:
+            raise ValueError(f"cannot show M={m} memories out of K={k} candidates")
+        self.bank, self.llm = bank, llm
+        self.k, self.m, self.tau = k, m, tau
+        self.learn, self.structured, self.store_turns = learn, structured, store_turns
+        self.per_user = per_user
+        self.reflector = reflector or ProspectiveReflector(bank, llm)
+        self.sessions = sessions if sessions is not None else SessionLog(Path(bank.path) / SESSIONS_FILE)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else Path(bank.path) / CHECKPOINT_DIR
+        self.checkpoint_every = checkpoint_every
+        self.learner_config = learner_config or LearnerConfig(tau=tau)
+        self.generator = torch.Generator().manual_seed(seed)
+        self._learners: dict[str, Learner] = {}
+        self._saved_step: dict[str, int] = {}
+        if learner is not None:
+            if per_user:
+                raise ValueError("a given learner is shared by every user; do not also ask for per_user")
+            self._learners[""] = learner
+            self._saved_step[""] = learner.stats.records
+
+    # ---- Algorithm 1 --------------------------------------------------------------------
+    def respond(self, user: str, query: str, *, remember: bool = True) -> Response:
+        """Answer `query` from the user's memories and learn from what the answer cites.
+
+        `remember=False` keeps the exchange out of the session (e.g. benchmark questions).
+        """
+        history = self.sessions.current(user).turns
+        selection, shown = self.select(user, query)
+        raw = self.generate(query, shown, history)
+        feedback = reflect_citations(raw, selection, self.learner(user), structured=self.structured, learn=self.learn)
+        if remember:
+            self.sessions.append(user, [(user, query), (ASSISTANT, feedback.citation.answer)])
+        self._maybe_checkpoint(user)
+        cited = [shown[i] for i in feedback.citation.cited or []]
+        return Response(feedback.citation.answer, cited, shown, selection, raw, feedback)
+
+    def end_session(self, user: str) -> list[Memory]:
+        """Prospective reflection on the user's open session; returns the memories it touched."""
+        session = self.sessions.current(user)
+        if not session.turns:
+            return []
+        touched = self.reflector.reflect(session, speakers=[user])
+        if self.store_turns:
+            turns = [Memory(id=t.id, user_id=user, kind="turn", text=f"{t.speaker}: {t.text}", refs=[t.id],
+                            source_text=t.text, time_span=(t.time, t.time)) for t in session.turns]
+            self.bank.add(user, turns)
+            touched += turns
+        self.sessions.clear(user)
+        return touched
+
+    # ---- the steps ------------------------------------------------------------------------
+    def select(self, user: str, query: str) -> tuple[Selection | None, list[Memory]]:
+        """Retrieve K, rerank to M (Gumbel-sampled when learning, greedy otherwise)."""
+        if not self.bank.store.has_user(user):
+            return None, []
+        retriever = RerankedRetriever(self.bank, self.learner(user).reranker, k=self.k, m=self.m, tau=self.tau)
+        (selection,) = retriever.select([query], user, explore=self.learn, generator=self.generator)
+        return selection, self.bank.get(user, selection.memory_ids) if selection.chosen else []
+
+    def generate(self, query: str, shown: list[Memory], history: list[Turn]) -> str:
+        from rmm.prompts import ANSWER_SCHEMA, answer_messages
+
+        messages = answer_messages(query, shown, history, structured=self.structured)
+        (raw,) = self.llm.generate([messages], json_schema=ANSWER_SCHEMA if self.structured else None)
+        return raw
+
+    # ---- rerankers and checkpoints ----------------------------------------------------------
+    def learner(self, user: str) -> Learner:
+        """The reranker's learner for `user`: one per bank, or one per user; loaded when saved."""
+        key = user if self.per_user else ""
+        if key not in self._learners:
+            path = self._checkpoint_path(key)
+            if (path / "meta.json").exists():
+                self._learners[key] = Learner.load(path, encoder_name=self.bank.encoder.name, dim=self.bank.dim)
+            else:
+                self._learners[key] = Learner(ResidualLinearReranker(self.bank.dim), self.learner_config,
+                                              encoder_name=self.bank.encoder.name)
+            self._saved_step[key] = self._learners[key].stats.records
+        return self._learners[key]
+
+    def save(self) -> None:
+        """Checkpoint every reranker (atomic: a crash mid-save keeps the previous checkpoint)."""
+        for key, learner in self._learners.items():
+            learner.save(self._checkpoint_path(key))
+            self._saved_step[key] = learner.stats.records
+
+    def close(self) -> None:
+        """Save the rerankers and close the session log (the bank belongs to the caller)."""
+        self.save()
+        self.sessions.close()
+
+    def _checkpoint_path(self, key: str) -> Path:
+        if not key:
+            return self.checkpoint_dir
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", key)[:48]
+        return self.checkpoint_dir / "users" / f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+    def _maybe_checkpoint(self, user: str) -> None:
+        key = user if self.per_user else ""
+        learner = self._learners.get(key)
+        if learner is None or not self.checkpoint_every:
+            return
+        if learner.stats.records - self._saved_step.get(key, 0) >= self.checkpoint_every:
+            learner.save(self._checkpoint_path(key))
+            self._saved_step[key] = learner.stats.records

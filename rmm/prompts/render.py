@@ -1,0 +1,199 @@
+"""Filling the prompt templates (and reading back the memory list an answer prompt showed)."""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Sequence
+from functools import cache
+from importlib import resources
+
+from rmm.llm.base import Message
+from rmm.prompts.parse import PromptParseError
+from rmm.types import Memory, Session, Turn
+
+__all__ = [
+    "ANSWER_SCHEMA",
+    "EXTRACTION_SCHEMA",
+    "load_template",
+    "extraction_messages",
+    "extraction_turn_ids",
+    "update_messages",
+    "answer_messages",
+    "judge_messages",
+    "parse_shown_memories",
+    "is_answer_prompt",
+    "normalize_memory_text",
+]
+
+ANSWER_SCHEMA: dict = {
+    "title": "answer_with_citations",
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string"},
+        "citations": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    },
+    "required": ["answer", "citations"],
+    "additionalProperties": False,
+}
+
+EXTRACTION_SCHEMA: dict = {
+    "title": "extracted_memories",
+    "type": "object",
+    "properties": {
+        "extracted_memories": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "summary": {"type": "string"},
+                    "reference": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                },
+                "required": ["summary", "reference"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["extracted_memories"],
+    "additionalProperties": False,
+}
+
+_MEMORIES_HEADER = "\nMemories:\n"
+_MEMORY_LINE = "- Memory ["
+_CONTINUATION = "  "
+_ORIGINAL = "  Original turns:"
+_NO_MEMORIES = "(none)"
+
+
+@cache
+def load_template(name: str) -> string.Template:
+    """A template of this package by file stem (`extraction`, `update`, `answer`, …)."""
+    try:
+        text = resources.files("rmm.prompts").joinpath(f"{name}.txt").read_text(encoding="utf-8")
+    except FileNotFoundError as error:
+        raise ValueError(f"no prompt template named {name!r}") from error
+    return string.Template(text)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _user(content: str) -> list[Message]:
+    return [{"role": "user", "content": content}]
+
+
+def extraction_turn_ids(session: Session) -> list[str]:
+    """The turn ids in the order the extraction prompt numbers them (pass to parse_extraction)."""
+    return [t.id for t in session.turns]
+
+
+def extraction_messages(session: Session, speaker: str) -> list[Message]:
+    """Ask for `speaker`'s personal summaries of one session, turns numbered 0…n-1."""
+    if not isinstance(speaker, str) or not speaker.strip():
+        raise ValueError(f"speaker must be a non-empty string, got {speaker!r}")
+    if not session.turns:
+        raise ValueError(f"session {session.id} has no turns to extract from")
+    turns = "\n".join(
+        f"Turn {i} - {_one_line(t.speaker)}: {_one_line(t.text)}" for i, t in enumerate(session.turns)
+    )
+    when = f" (held {session.time})" if session.time else ""
+    content = load_template("extraction").substitute(speaker=speaker.strip(), turns=turns, session_time=when)
+    return _user(content)
+
+
+def update_messages(summary: str, existing: Sequence[Memory]) -> list[Message]:
+    """Ask whether `summary` adds a new memory or merges into one of `existing` (indexed 0…)."""
+    history = json.dumps([m.text for m in existing], ensure_ascii=False)
+    content = load_template("update").substitute(history=history, new=json.dumps(summary, ensure_ascii=False))
+    return _user(content)
+
+
+def normalize_memory_text(text: str) -> str:
+    """A memory text as the answer prompt shows it (line breaks normalised): compare with this."""
+    return "\n".join(text.splitlines())
+
+
+def _render_memory(index: int, memory: Memory) -> str:
+    lines = memory.text.splitlines() or [""]
+    rendered = [f"{_MEMORY_LINE}{index}]: {lines[0]}"] + [_CONTINUATION + line for line in lines[1:]]
+    source = memory.source_text.strip()
+    if source and normalize_memory_text(source) != normalize_memory_text(memory.text):
+        rendered.append(_ORIGINAL)
+        rendered += [f"{_CONTINUATION}| {line}" for line in source.splitlines()]
+    return "\n".join(rendered)
+
+
+def _render_history(history: Sequence[Turn] | None) -> str:
+    if not history:
+        return ""
+    lines = [f"{_one_line(t.speaker)}: {_one_line(t.text)}" for t in history]
+    return "\nConversation so far:\n" + "\n".join(lines) + "\n"
+
+
+def answer_messages(
+    query: str,
+    memories: Sequence[Memory],
+    history: Sequence[Turn] | None = None,
+    structured: bool = False,
+) -> list[Message]:
+    """Answer `query` from the shown memories, citing them by position (0-based, shown order).
+
+    `structured=True` asks for `{"answer", "citations"}` — send it with `json_schema=ANSWER_SCHEMA`.
+    """
+    if not isinstance(query, str):
+        raise ValueError(f"query must be a string, got {type(query).__name__}")
+    rendered = "\n".join(_render_memory(i, m) for i, m in enumerate(memories)) or _NO_MEMORIES
+    template = load_template("answer_structured" if structured else "answer")
+    content = template.substitute(history=_render_history(history), query=_one_line(query), memories=rendered)
+    return _user(content)
+
+
+def judge_messages(question: str, gold_answer: str, prediction: str) -> list[Message]:
+    """App. D.3: does the prediction answer the question as the gold answer does? (Yes / No)."""
+    content = load_template("judge").substitute(
+        question=_one_line(question), answer=_one_line(str(gold_answer)), response=_one_line(prediction)
+    )
+    return _user(content)
+
+
+def _answer_section(conversation: Sequence[Message]) -> str | None:
+    for message in reversed(conversation):
+        if message.get("role") == "user":
+            content = message.get("content", "")
+            at = content.rfind(_MEMORIES_HEADER)
+            if at >= 0 and content.rstrip().endswith("Reply:"):
+                return content[at + len(_MEMORIES_HEADER):]
+            return None
+    return None
+
+
+def is_answer_prompt(conversation: Sequence[Message]) -> bool:
+    return _answer_section(conversation) is not None
+
+
+def parse_shown_memories(conversation: Sequence[Message]) -> list[str]:
+    """The memory texts an `answer_messages` prompt showed, in shown order (normalised text).
+
+    The simulated LLM needs them to ask its oracle which shown memories hit gold evidence.
+    """
+    section = _answer_section(conversation)
+    if section is None:
+        raise PromptParseError("not an answer prompt: no memory list followed by 'Reply:'")
+    texts: list[str] = []
+    in_original = False
+    for line in section.split("\n"):
+        if line.startswith(_MEMORY_LINE):
+            head, sep, rest = line.partition("]: ")
+            if not sep or not head[len(_MEMORY_LINE):].isdigit() or int(head[len(_MEMORY_LINE):]) != len(texts):
+                raise PromptParseError(f"memory list out of order at {line[:60]!r}")
+            texts.append(rest)
+            in_original = False
+        elif line == _ORIGINAL and texts:
+            in_original = True
+        elif line.startswith(_CONTINUATION) and texts:
+            if not in_original:
+                texts[-1] += "\n" + line[len(_CONTINUATION):]
+        else:
+            break
+    return texts

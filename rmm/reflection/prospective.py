@@ -1,0 +1,239 @@
+"""Prospective reflection (paper §5, App. D.1): a finished session becomes topic memories.
+
+Two steps, as in the paper. **Extract**: for each speaker, one LLM call (all speakers batched)
+returns topic summaries with the turn ids they came from. **Update**: each summary is compared
+with the top-K most similar *topic* memories of the same user, and the LLM answers `Add()` or
+`Merge(index, merged_summary)`; a merge rewrites that memory's text, unions its refs, appends to
+its lineage (`merged_from`) and widens its time span.
+
+LLM output is untrusted. An unusable extraction (transport error, unparseable reply) is logged
+and counted, and the session falls back to the non-LLM segmentation so it still leaves memories;
+an unusable update decision becomes `Add()`, so nothing extracted is ever dropped. With
+`llm=None` the whole pipeline is the labelled fallback: embedding-based topic segmentation
+(`rmm.reflection.segment`) and a cosine-threshold merge.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from rmm.errors import RmmError
+from rmm.reflection.segment import EXTRACTIVE_LABEL, SegmenterConfig, TopicSegmenter, turn_line
+from rmm.types import Memory, Session, Turn
+
+if TYPE_CHECKING:
+    from rmm.bank import MemoryBank
+    from rmm.llm.base import LLM
+    from rmm.prompts import ExtractedMemory
+
+__all__ = ["ProspectiveReflector", "ReflectionStats", "Extractive"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MERGE_THRESHOLD = 0.8
+
+
+@dataclass
+class Extractive:
+    """A fallback topic: the segment's turns, joined (an extractive 'summary')."""
+
+    summary: str
+    refs: list[str]
+
+
+@dataclass
+class ReflectionStats:
+    sessions: int = 0
+    extracted: int = 0
+    added: int = 0
+    merged: int = 0
+    llm_calls: int = 0
+    extraction_failures: int = 0  # speakers whose extraction reply was unusable
+    update_failures: int = 0  # update replies that were unusable (→ Add)
+    fallback_sessions: int = 0  # sessions segmented without the LLM because its output failed
+    seconds: float = 0.0
+
+
+@dataclass
+class _Context:
+    """What an update needs of the session a memory came from."""
+
+    turns: dict[str, Turn] = field(default_factory=dict)
+    time: str | None = None
+
+
+class ProspectiveReflector:
+    """Turns finished sessions into topic memories of a `MemoryBank` (Algorithm 1, lines 8–12).
+
+    `merge_threshold` is the cosine similarity above which the fallback merges an extractive topic
+    into an existing one; `max_merged_turns` stops a fallback topic from growing without bound
+    (a longer merge is added as a new topic instead: embedding models truncate long texts).
+    """
+
+    def __init__(self, bank: MemoryBank, llm: LLM | None = None, top_k: int = 5,
+                 merge_threshold: float = DEFAULT_MERGE_THRESHOLD, *, segmenter: SegmenterConfig | None = None,
+                 max_merged_turns: int = 24, max_tokens: int = 1024) -> None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.bank, self.llm, self.top_k = bank, llm, top_k
+        self.merge_threshold = merge_threshold
+        self.max_merged_turns = max_merged_turns
+        self.max_tokens = max_tokens
+        self.segmenter = TopicSegmenter(bank.encoder, segmenter)
+        self.stats = ReflectionStats()
+
+    @property
+    def settings_key(self) -> str:
+        """Identifies what this reflector would build (for caching banks built with it)."""
+        llm = self.llm.name if self.llm is not None else "fallback"
+        return f"{llm}-k{self.top_k}-t{self.merge_threshold}-mt{self.max_merged_turns}-{self.segmenter.config.key()}"
+
+    # ---- the two steps ------------------------------------------------------------------
+    def reflect(self, session: Session, speakers: list[str] | None = None) -> list[Memory]:
+        """Extract the session's topics and merge each into the bank; the memories touched."""
+        t0 = time.perf_counter()
+        self.stats.sessions += 1
+        touched: dict[str, Memory] = {}
+        for extracted in self.extract(session, speakers):
+            memory = self.update(session.user_id, extracted, session)
+            touched[memory.id] = memory
+        self.stats.seconds += time.perf_counter() - t0
+        return list(touched.values())
+
+    def extract(self, session: Session, speakers: list[str] | None = None) -> list[ExtractedMemory | Extractive]:
+        """Topic summaries with turn refs: one batched LLM call over speakers, else the fallback."""
+        if not session.turns:
+            return []
+        if self.llm is None:
+            return self._segment(session)
+        from rmm.prompts import PromptParseError, extraction_messages, parse_extraction
+
+        speakers = speakers or list(dict.fromkeys(t.speaker for t in session.turns))
+        valid = [t.id for t in session.turns]
+        try:
+            replies = self.llm.generate([extraction_messages(session, s) for s in speakers],
+                                        max_tokens=self.max_tokens)
+            self.stats.llm_calls += len(speakers)
+        except RmmError as exc:
+            log.warning("extraction for session %s failed (%s); using the fallback segmentation", session.id, exc)
+            self.stats.extraction_failures += len(speakers)
+            return self._fallback(session)
+        extracted: list[ExtractedMemory | Extractive] = []
+        failed = 0
+        for speaker, reply in zip(speakers, replies):
+            try:
+                extracted.extend(parse_extraction(reply, valid))
+            except PromptParseError as exc:
+                failed += 1
+                log.warning("unusable extraction for %s in session %s: %s", speaker, session.id, exc)
+        self.stats.extraction_failures += failed
+        if failed and not extracted:
+            return self._fallback(session)
+        return extracted
+
+    def update(self, user: str, extracted: ExtractedMemory | Extractive, session: Session | None = None) -> Memory:
+        """Add the extracted topic to `user`'s bank or merge it into a similar topic memory.
+
+        `session` (the one it was extracted from) supplies the referenced turns' text and time.
+        """
+        self.stats.extracted += 1
+        context = _context_of(session)
+        neighbours = self._neighbours(user, extracted.summary)
+        if isinstance(extracted, Extractive) or self.llm is None:
+            target = neighbours[0][0] if neighbours and neighbours[0][1] >= self.merge_threshold else None
+            if target is not None and len(set(target.refs) | set(extracted.refs)) > self.max_merged_turns:
+                target = None
+            if target is not None:
+                return self._merge(target, target.text + "\n" + extracted.summary, extracted, context, True)
+            return self._add(user, extracted, context, extractive=True)
+        if not neighbours:
+            return self._add(user, extracted, context)
+        index, merged = self._decide(extracted.summary, [m for m, _ in neighbours])
+        if index is None:
+            return self._add(user, extracted, context)
+        return self._merge(neighbours[index][0], merged, extracted, context, False)
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _decide(self, summary: str, existing: list[Memory]) -> tuple[int | None, str]:
+        """The LLM's Add/Merge decision; anything unusable means Add (nothing gets lost)."""
+        from rmm.prompts import PromptParseError, parse_update, update_messages
+
+        try:
+            (reply,) = self.llm.generate([update_messages(summary, existing)], max_tokens=self.max_tokens)
+            self.stats.llm_calls += 1
+            actions = parse_update(reply, len(existing))
+        except (PromptParseError, RmmError, ValueError) as exc:
+            log.warning("unusable memory-update decision (%s); adding the memory", exc)
+            self.stats.update_failures += 1
+            return None, summary
+        for action in actions:
+            if action.kind == "merge" and action.index is not None and 0 <= action.index < len(existing):
+                return action.index, (action.summary or "").strip() or f"{existing[action.index].text} {summary}"
+        if not any(a.kind == "add" for a in actions):
+            log.warning("memory-update reply held no action; adding the memory")
+            self.stats.update_failures += 1
+        return None, summary
+
+    def _neighbours(self, user: str, summary: str) -> list[tuple[Memory, float]]:
+        """The top-K most similar topic memories of `user`, with their cosine similarity."""
+        if not self.bank.store.has_user(user):
+            return []
+        vector = torch.as_tensor(self.bank.encoder.encode_passages([summary])).float()
+        found = self.bank.search_embeddings(vector, user, k=4 * self.top_k)[0]
+        if not found.memory_ids:
+            return []
+        cosine = F.cosine_similarity(found.embeddings, vector, dim=-1).tolist()
+        memories = {m.id: m for m in self.bank.get(user, found.memory_ids)}
+        ranked = sorted(((memories[i], c) for i, c in zip(found.memory_ids, cosine) if memories[i].kind == "topic"),
+                        key=lambda mc: -mc[1])
+        return ranked[:self.top_k]
+
+    def _add(self, user: str, extracted: ExtractedMemory | Extractive, context: _Context,
+             extractive: bool = False) -> Memory:
+        memory = Memory(id=Memory.new_id(), user_id=user, kind="topic", text=extracted.summary,
+                        refs=list(dict.fromkeys(extracted.refs)),
+                        source_text=_source(extracted.refs, context, extractive),
+                        time_span=(context.time, context.time))
+        self.bank.add(user, [memory])
+        self.stats.added += 1
+        return memory
+
+    def _merge(self, target: Memory, text: str, extracted: ExtractedMemory | Extractive, context: _Context,
+               extractive: bool) -> Memory:
+        start, end = target.time_span or (None, None)
+        # Sessions arrive in order, so a merge can only extend the span forward.
+        span = (start or context.time, context.time or end)
+        new_source = _source([r for r in extracted.refs if r not in target.refs], context,
+                             extractive and EXTRACTIVE_LABEL not in target.source_text)
+        merged = replace(target, text=text, refs=list(dict.fromkeys([*target.refs, *extracted.refs])),
+                         source_text="\n".join(s for s in (target.source_text, new_source) if s),
+                         merged_from=[*target.merged_from, Memory.new_id()], time_span=span)
+        self.stats.merged += 1
+        return self.bank.update(target.user_id, merged)
+
+    def _segment(self, session: Session) -> list[Extractive]:
+        return [Extractive("\n".join(turn_line(t) for t in seg), [t.id for t in seg])
+                for seg in self.segmenter.segments(session)]
+
+    def _fallback(self, session: Session) -> list[Extractive]:
+        self.stats.fallback_sessions += 1
+        return self._segment(session)
+
+
+def _context_of(session: Session | None) -> _Context:
+    if session is None:
+        return _Context()
+    return _Context({t.id: t for t in session.turns}, session.time)
+
+
+def _source(refs: list[str], context: _Context, extractive: bool) -> str:
+    lines = [turn_line(context.turns[r]) for r in refs if r in context.turns]
+    if extractive:
+        lines.insert(0, EXTRACTIVE_LABEL)
+    return "\n".join(lines)
