@@ -6,11 +6,11 @@
 
 Everything persists beside the bank: the open sessions (`sessions.sqlite`) and the reranker
 checkpoint (`reranker/`, or `reranker/users/<user>/` with one reranker per user), saved
-atomically every `checkpoint_every` learning steps and on `close()`.
+atomically every `checkpoint_every` rewarded answers and on `close()`.
 
-Decision (the paper is silent): `end_session` stores topic memories only, as the paper does;
-`store_turns=True` also stores each raw turn as a turn memory. Topic extraction looks only at
-the user's own turns' speaker by default (memories about the assistant help nobody).
+Decisions where the paper is silent: `end_session` stores topic memories only, as the paper
+does (`store_turns=True` also stores each raw turn as a turn memory); extraction is asked about
+the user only (the whole session is shown, but memories about the assistant help nobody).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from rmm.types import Memory, Selection, Turn
 if TYPE_CHECKING:
     from rmm.llm.base import LLM
 
-__all__ = ["Agent", "Response", "ASSISTANT"]
+__all__ = ["ASSISTANT", "Agent", "Response"]
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +59,13 @@ class Agent:
                  reflector: ProspectiveReflector | None = None, k: int = 20, m: int = 5, tau: float = 0.5,
                  learn: bool = True, structured: bool = False, sessions: SessionLog | None = None,
                  checkpoint_dir: str | Path | None = None, checkpoint_every: int = 10, store_turns: bool = False,
-                 learner_config: LearnerConfig | None = None, seed: int = 0) -> None:
+                 learner_config: LearnerConfig | None = None, max_tokens: int = 512, seed: int = 0) -> None:
         if m > k:
             raise ValueError(f"cannot show M={m} memories out of K={k} candidates")
         self.bank, self.llm = bank, llm
         self.k, self.m, self.tau = k, m, tau
         self.learn, self.structured, self.store_turns = learn, structured, store_turns
+        self.max_tokens = max_tokens
         self.per_user = per_user
         self.reflector = reflector or ProspectiveReflector(bank, llm)
         self.sessions = sessions if sessions is not None else SessionLog(Path(bank.path) / SESSIONS_FILE)
@@ -123,7 +124,8 @@ class Agent:
         from rmm.prompts import ANSWER_SCHEMA, answer_messages
 
         messages = answer_messages(query, shown, history, structured=self.structured)
-        (raw,) = self.llm.generate([messages], json_schema=ANSWER_SCHEMA if self.structured else None)
+        (raw,) = self.llm.generate([messages], json_schema=ANSWER_SCHEMA if self.structured else None,
+                                   max_tokens=self.max_tokens)
         return raw
 
     # ---- rerankers and checkpoints ----------------------------------------------------------
@@ -133,10 +135,11 @@ class Agent:
         if key not in self._learners:
             path = self._checkpoint_path(key)
             if (path / "meta.json").exists():
-                self._learners[key] = Learner.load(path, encoder_name=self.bank.encoder.name, dim=self.bank.dim)
+                self._learners[key] = Learner.load(path, encoder_name=self.bank.encoder.fingerprint,
+                                                   dim=self.bank.dim, device=self.bank.device)
             else:
                 self._learners[key] = Learner(ResidualLinearReranker(self.bank.dim), self.learner_config,
-                                              encoder_name=self.bank.encoder.name)
+                                              encoder_name=self.bank.encoder.fingerprint, device=self.bank.device)
             self._saved_step[key] = self._learners[key].stats.records
         return self._learners[key]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rmm.errors import RmmError
@@ -120,11 +121,12 @@ def _print_eval(report) -> None:
 def _print_granularities(reports: list, retriever: str) -> None:
     """One table, granularities side by side (the paper's Fig. 4 comparison)."""
     first = reports[0]
-    metrics = [(f"{m}@{k}", f"{SHORT[m]}@{k}") for k in first.ks for m in ("recall", "ndcg")]
+    metrics = [(f"recall@{k}", f"R@{k}") for k in first.ks]
     table = Table(title=f"{first.dataset} · {retriever} · memory granularity (%)",
-                  caption="turn and topic scored on gold turns (topic through its refs); session on gold sessions. "
-                          "topic = prospective reflection" + ("" if "PR: " not in reports[-1].retriever
-                                                              else f" [{reports[-1].retriever}]"))
+                  caption="R = fractional recall. turn and topic are scored on gold turns (topic through its "
+                          "refs), session on gold sessions. topic = prospective reflection"
+                          + next((f" · topic memories by {escape(r.retriever)}" for r in reports
+                                  if r.granularity == "topic"), ""))
     table.add_column("category", no_wrap=True)
     table.add_column("n", justify="right")
     for r in reports:
@@ -155,6 +157,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.frontend != "direct":
         raise RmmError(f"front end {args.frontend!r} is not available; use direct")
     llm = _load_llm(args.llm)
+    if llm.name == "simulated":
+        raise RmmError("the simulated LLM writes no answers (it only cites, for benchmarks with gold evidence); "
+                       "chat with hf:PATH, openai:URL@MODEL or vllm:PATH")
     bank = MemoryBank(args.bank, load_encoder(args.encoder, device=args.device), device=args.device)
     agent = Agent(bank, llm, k=args.k, m=args.m, tau=args.tau, learn=not args.no_learn, structured=args.structured,
                   per_user=args.per_user, store_turns=args.store_turns)
@@ -179,9 +184,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 _print_memories(bank, args.user)
                 continue
             response = agent.respond(args.user, line)
-            console.print(f"[bold]assistant>[/bold] {response.answer}", highlight=False)
+            console.print(f"[bold]assistant>[/bold] {escape(response.answer)}", highlight=False)
             for memory in response.cited:
-                console.print(f"  [dim]cited:[/dim] {_short(memory.text)}", highlight=False)
+                console.print(f"  [dim]cited:[/dim] {escape(_short(memory.text))}", highlight=False)
             if response.selection is not None and response.feedback.rewards is None:
                 console.print("  [dim](no parseable citation: the reranker skipped this answer)[/dim]")
     finally:
@@ -202,7 +207,8 @@ def _print_memories(bank, user: str) -> None:
         console.print("[dim]no memories yet[/dim]")
         return
     for memory in bank.memories(user):
-        console.print(f"  [{memory.kind}] {_short(memory.text)}  [dim]({len(memory.refs)} turns)[/dim]", highlight=False)
+        console.print(f"  {escape(f'[{memory.kind}]')} {escape(_short(memory.text))}  [dim]({len(memory.refs)} turns)[/dim]",
+                      highlight=False)
 
 
 # -- rmm eval-qa ----------------------------------------------------------------------------------
@@ -373,6 +379,25 @@ def cmd_data_download(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- rmm llm serve --------------------------------------------------------------------------------
+def cmd_llm_serve(args: argparse.Namespace) -> int:
+    """Start `vllm serve` on loopback, wait until it answers, keep it up until Ctrl-C."""
+    from rmm.llm.serve import start_vllm_server, stop_server
+
+    log_path = Path(args.log) if args.log else None
+    console.print(f"starting vLLM for {args.model} on http://{args.host}:{args.port}/v1 …")
+    proc = start_vllm_server(args.model, host=args.host, port=args.port, extra_args=args.vllm_args,
+                             python=args.python, timeout_s=args.timeout, log_path=log_path)
+    console.print(f"ready — use --llm openai:http://{args.host}:{args.port}/v1@{args.model}  (Ctrl-C stops it)")
+    try:
+        proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_server(proc)
+    return 0
+
+
 # -- entry point ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rmm", description=__doc__.splitlines()[0])
@@ -398,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user", required=True)
     p.add_argument("--llm", required=True, help="openai:URL@MODEL | hf:PATH | vllm:PATH | simulated")
     p.add_argument("--encoder", default=DEFAULT_RETRIEVER, help="encoder preset or folder (must match the bank)")
-    p.add_argument("--frontend", default="direct", choices=("direct",), help="query front end")
+    p.add_argument("--frontend", default="direct", help="query front end: direct (one query per message)")
     p.add_argument("--k", type=int, default=20)
     p.add_argument("--m", type=int, default=5)
     p.add_argument("--tau", type=float, default=0.5)
@@ -433,6 +458,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=1)
     _common(p)
     p.set_defaults(func=cmd_quickstart)
+
+    p = sub.add_parser("llm", help="LLM helpers")
+    llm_sub = p.add_subparsers(dest="llm_command", required=True)
+    d = llm_sub.add_parser("serve", help="start `vllm serve` for a model and wait until it is ready")
+    d.add_argument("model", help="model folder or Hugging Face id known to the local cache")
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=8000)
+    d.add_argument("--python", help="python of the virtualenv that has vLLM (default: this one)")
+    d.add_argument("--timeout", type=float, default=600, help="seconds to wait for readiness")
+    d.add_argument("--log", help="write the server's output here")
+    d.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after `--`: arguments passed to vLLM")
+    d.add_argument("-v", "--verbose", action="store_true")
+    d.set_defaults(func=cmd_llm_serve)
 
     p = sub.add_parser("data", help="benchmark data")
     data_sub = p.add_subparsers(dest="data_command", required=True)

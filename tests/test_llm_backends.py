@@ -13,7 +13,12 @@ from rmm.errors import LLMError, ModelNotFoundError
 from rmm.llm import load_llm, parse_spec
 from rmm.llm.simulated import SimulatedCiter
 from rmm.llm.simulated_backend import SimulatedLLM
-from rmm.prompts import ANSWER_SCHEMA, answer_messages, extraction_messages, judge_messages
+from rmm.prompts import (
+    ANSWER_SCHEMA,
+    answer_messages,
+    extraction_messages,
+    judge_messages,
+)
 from rmm.types import Memory, Session, Turn
 
 
@@ -105,8 +110,14 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path)
     return folder
 
 
-def test_hf_generates_one_text_per_conversation_in_order(tiny_chat_model: Path) -> None:
-    llm = load_llm(f"hf:{tiny_chat_model}", device="cpu", batch_size=2)
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_chat_model: Path):
+    return load_llm(f"hf:{tiny_chat_model}", device="cpu", batch_size=2, threads=1)
+
+
+def test_hf_generates_one_text_per_conversation_in_order(tiny_llm) -> None:
+    llm = tiny_llm
+    llm.usage = type(llm.usage)()
     batch = [[{"role": "user", "content": text}] for text in ("hi", "a much longer question about hiking", "x")]
     together = llm.generate(batch, max_tokens=5)
     alone = [llm.generate([conversation], max_tokens=5)[0] for conversation in batch]
@@ -120,3 +131,91 @@ def test_hf_generates_one_text_per_conversation_in_order(tiny_chat_model: Path) 
 def test_hf_missing_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError):
         load_llm(f"hf:{tmp_path / 'nothing'}")
+
+
+def test_hf_json_schema_is_requested_in_the_prompt(tiny_llm) -> None:
+    llm = tiny_llm
+    (prompt,) = llm._prompts([[{"role": "user", "content": "q"}]], ANSWER_SCHEMA)
+    assert '"citations"' in prompt and prompt.rstrip().endswith("[assistant]")
+    assert len(llm.generate([[{"role": "user", "content": "q"}]], json_schema=ANSWER_SCHEMA, max_tokens=2)) == 1
+
+
+def test_hf_gguf_folder_resolution_errors(tmp_path: Path) -> None:
+    from rmm.llm.hf import convert_gguf, resolve_model_folder
+
+    with pytest.raises(ModelNotFoundError):
+        convert_gguf(tmp_path / "missing.gguf")
+    (tmp_path / "a.gguf").write_bytes(b"")
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(LLMError, match="several GGUF"):
+        resolve_model_folder(tmp_path)
+    with pytest.raises(LLMError, match="could not read GGUF"):
+        convert_gguf(tmp_path / "a.gguf", tmp_path / "out")  # not a GGUF file
+
+
+def test_vllm_engine_against_a_stand_in_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine path with a fake `vllm` (the real one needs a GPU machine): chat, order, JSON."""
+    import sys
+    import types
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class StructuredOutputsParams:
+        json: dict | None = None
+
+    @dataclass
+    class SamplingParams:
+        max_tokens: int = 16
+        temperature: float = 1.0
+        structured_outputs: StructuredOutputsParams | None = None
+
+    @dataclass
+    class Completion:
+        text: str
+        token_ids: list[int] = field(default_factory=lambda: [1, 2])
+
+    @dataclass
+    class Output:
+        prompt_token_ids: list[int]
+        outputs: list[Completion]
+
+    calls: list[tuple] = []
+
+    class FakeEngine:
+        def __init__(self, model: str, **options) -> None:
+            calls.append(("init", model, options))
+
+        def chat(self, messages, sampling_params, use_tqdm=True):
+            calls.append(("chat", sampling_params))
+            return [Output([0] * 5, [Completion(f"reply to {m[-1]['content']}")]) for m in messages]
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = FakeEngine  # type: ignore[attr-defined]
+    vllm.SamplingParams = SamplingParams  # type: ignore[attr-defined]
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.StructuredOutputsParams = StructuredOutputsParams  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling)
+
+    llm = load_llm("vllm:/models/m", max_model_len=2048)
+    out = llm.generate([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
+                       json_schema=ANSWER_SCHEMA, max_tokens=32)
+    assert out == ["reply to a", "reply to b"]
+    assert calls[0] == ("init", "/models/m", {"max_model_len": 2048})
+    params = calls[1][1]
+    assert params.max_tokens == 32 and params.temperature == 0.0
+    assert params.structured_outputs == StructuredOutputsParams(json=ANSWER_SCHEMA)
+    assert (llm.usage.calls, llm.usage.prompt_tokens, llm.usage.completion_tokens) == (2, 10, 4)
+
+
+def test_hf_folds_system_into_user_for_templates_without_system(tiny_llm) -> None:
+    original = tiny_llm.tokenizer.chat_template
+    tiny_llm.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    try:
+        (prompt,) = tiny_llm._prompts([[{"role": "system", "content": "rules"}, {"role": "user", "content": "q"}]], None)
+    finally:
+        tiny_llm.tokenizer.chat_template = original
+    assert prompt == "<user>rules\n\nq<assistant>"

@@ -14,7 +14,12 @@ import torch
 from rmm.bank import MemoryBank
 from rmm.errors import LLMError
 from rmm.llm.base import LLM, Message, Usage
-from rmm.reflection import EXTRACTIVE_LABEL, ProspectiveReflector, SegmenterConfig, TopicSegmenter
+from rmm.reflection import (
+    EXTRACTIVE_LABEL,
+    ProspectiveReflector,
+    SegmenterConfig,
+    TopicSegmenter,
+)
 from rmm.types import Memory, Session, Turn
 
 DIM = 64
@@ -242,3 +247,22 @@ def test_settings_key_changes_with_settings(bank: MemoryBank) -> None:
     a = ProspectiveReflector(bank, None).settings_key
     assert a != ProspectiveReflector(bank, None, merge_threshold=0.5).settings_key
     assert a != ProspectiveReflector(bank, ScriptedLLM([])).settings_key
+
+
+def test_fill_topics_resumes_an_interrupted_build(bank: MemoryBank) -> None:
+    from rmm.corpus import documents, fill_topics
+    from rmm.types import Dataset
+
+    dataset = Dataset("tiny", {"u": [session("u:S1"), session("u:S2", COOKING)],
+                               "v": [session("v:S1", HIKING, user="v")]}, [])
+    bank.add("u", [topic("u", "half-built leftover", ["u:S1:0"])])  # an interrupted build: no done mark
+    fill_topics(bank, dataset, ProspectiveReflector(bank, None), progress=False)
+    texts = [m.text for m in bank.memories("u")]
+    assert "half-built leftover" not in texts and texts
+    refs = {r for m in bank.memories("u") for r in m.refs}
+    assert refs == {t.id for s in dataset.sessions["u"] for t in s.turns}  # every turn is in some topic
+    generation = bank.store.generation("u")
+    fill_topics(bank, dataset, ProspectiveReflector(bank, None), progress=False)
+    assert bank.store.generation("u") == generation  # done users are skipped
+    with pytest.raises(ValueError, match="prospective reflection"):
+        documents(dataset, "u", "topic")

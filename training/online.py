@@ -181,7 +181,7 @@ class OnlineTrainer:
         if key not in self.learners:
             torch.manual_seed(self.cfg.seed)
             self.learners[key] = Learner(ResidualLinearReranker(self.bank.dim), self.cfg.learner_config(),
-                                         encoder_name=self.bank.encoder.fingerprint)
+                                         encoder_name=self.bank.encoder.fingerprint, device=self.bank.device)
         return self.learners[key]
 
     def candidates(self, questions: list[Question]) -> dict[str, Candidates]:
@@ -297,7 +297,7 @@ class OnlineTrainer:
                              "use another --output directory or the same settings")
         self.position, self.rows, self.cited_ratio = state["position"], state["rows"], state["cited_ratio"]
         for i, user in enumerate(state["users"]):
-            self.learners[user] = Learner.load(self.output_dir / "rerankers" / f"{i:04d}",
+            self.learners[user] = Learner.load(self.output_dir / "rerankers" / f"{i:04d}", device=self.bank.device,
                                                encoder_name=self.bank.encoder.fingerprint, dim=self.bank.dim)
         log.info("resumed at question %d of the stream", self.position)
 

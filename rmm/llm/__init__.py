@@ -10,11 +10,13 @@ from typing import Any
 from rmm.errors import LLMError
 from rmm.llm.base import LLM, Message, Usage
 
-__all__ = ["LLM", "Message", "Usage", "LLMError", "load_llm", "parse_spec", "SPEC_FORMS"]
+__all__ = ["LLM", "SPEC_FORMS", "LLMError", "Message", "Usage", "load_llm", "parse_spec"]
 
 SPEC_FORMS = (
-    "openai:URL@MODEL (an OpenAI-compatible server, e.g. openai:http://127.0.0.1:8000/v1@my-model; "
-    "@MODEL may be left out when the server serves one model)",
+    (
+        "openai:URL@MODEL (an OpenAI-compatible server, e.g. openai:http://127.0.0.1:8000/v1@my-model; "
+        "@MODEL may be left out when the server serves one model)"
+    ),
     "hf:PATH (a transformers chat model folder or a .gguf file)",
     "vllm:PATH (the in-process vLLM engine)",
     "simulated (the simulated citer; answers with citations only)",

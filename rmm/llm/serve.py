@@ -28,7 +28,7 @@ import httpx
 
 from rmm.errors import LLMError
 
-__all__ = ["start_vllm_server", "stop_server", "wait_until_ready", "server_command"]
+__all__ = ["server_command", "start_vllm_server", "stop_server", "wait_until_ready"]
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from rmm.llm.base import LLM, Message, Usage, check_batch
 from rmm.llm.simulated import SimulatedCiter
 from rmm.prompts import PromptParseError, parse_shown_memories
 
-__all__ = ["SimulatedLLM", "Oracle"]
+__all__ = ["Oracle", "SimulatedLLM"]
 
 Oracle = Callable[[list[str]], Sequence[bool]]
 

@@ -72,7 +72,7 @@ class VLLMEngine(LLM):
         params = self._sampling_params(max_tokens=max_tokens, temperature=temperature, **extra)
         started = time.perf_counter()
         try:
-            outputs = self._engine.chat([list(c) for c in batch], params, use_tqdm=False)
+            outputs = self._engine.chat([list(c) for c in batch], sampling_params=params, use_tqdm=False)
         except Exception as error:
             raise LLMError(f"vLLM generation failed: {error}") from error
         usage = Usage(calls=len(batch), seconds=time.perf_counter() - started)

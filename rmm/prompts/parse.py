@@ -19,14 +19,14 @@ from typing import Any, Literal
 from rmm.errors import RmmError
 
 __all__ = [
-    "PromptParseError",
     "ExtractedMemory",
     "ExtractionResult",
+    "PromptParseError",
     "UpdateAction",
     "UpdateResult",
     "parse_extraction",
-    "parse_update",
     "parse_judge",
+    "parse_update",
 ]
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,18 @@ _MAX_STARTS = 64
 _MAX_CANDIDATE = 50_000
 _MAX_WARNINGS = 20
 _MAX_DEPTH = 4
+
+# Summaries from the templates' worked examples: small models sometimes copy them verbatim, and
+# storing "Maya signed up for a pottery class" as a fact about the user would be invented memory.
+EXAMPLE_SUMMARIES = frozenset({
+    (
+        "maya signed up for a pottery class downtown on fifth street, inspired by her grandmother's pottery "
+        "wheel from her childhood."
+    ),
+    "maya lives in a flat a ten-minute walk from the pottery class downtown.",
+    "sam plays tennis every tuesday and friday, although he finds it boring.",
+})
+_EXAMPLE_NAMES = re.compile(r"\b(?:Maya|Sam)\b")
 
 
 class PromptParseError(RmmError, ValueError):
@@ -128,7 +140,7 @@ def _loads(candidate: str) -> Any:
     try:
         python = _BARE_WORD.sub(lambda m: _PY_LITERALS[m.group(1)], candidate)
         value = ast.literal_eval(python)
-    except Exception:  # literal_eval raises SyntaxError, ValueError, MemoryError, RecursionError…
+    except Exception:  # noqa: BLE001 — literal_eval raises SyntaxError, ValueError, MemoryError, RecursionError…
         return None
     return value if isinstance(value, (dict, list)) else None
 
@@ -179,9 +191,9 @@ def _memory_list(value: Any) -> list[Any] | None:
         if any(k in value for k in _SUMMARY_KEYS):
             return [value]
         return None
-    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-        if any(any(k in v for k in _SUMMARY_KEYS) for v in value):
-            return value
+    is_items = isinstance(value, list) and value and all(isinstance(v, dict) for v in value)
+    if is_items and any(any(k in v for k in _SUMMARY_KEYS) for v in value):
+        return value
     return None
 
 
@@ -234,12 +246,17 @@ def parse_extraction(text: str, valid_turn_ids: Sequence[str]) -> ExtractionResu
         if items is not None:
             break
     if items is None:
+        items = _salvage_items(text)
+        if items:
+            _warn(warnings, f"salvaged {len(items)} complete summaries from incomplete JSON")
+    if items is None:
         if _NO_TRAIT.search(text):
             return ExtractionResult([], warnings)
         raise PromptParseError(
             f"no extracted_memories JSON and no NO_TRAIT in the output: {text[:120]!r}"
         )
     result = ExtractionResult([], warnings)
+    orphan_target: int | None = None  # the last kept memory, while it has no reference yet
     for item in items:
         if isinstance(item, str):
             summary, raw_refs = item, None
@@ -250,13 +267,54 @@ def parse_extraction(text: str, valid_turn_ids: Sequence[str]) -> ExtractionResu
             _warn(warnings, f"skipped an item that is not an object: {str(item)[:40]!r}")
             continue
         if summary is None or not summary.strip() or _NO_TRAIT.fullmatch(summary.strip()):
+            if raw_refs is not None and orphan_target is not None:
+                # `{"summary": s}, {"reference": [..]}` — the model split one item in two
+                result[orphan_target].refs = list(dict.fromkeys(_refs(raw_refs, turn_ids, valid, warnings)))
+                orphan_target = None
+                continue
             _warn(warnings, "skipped an item without a summary")
+            continue
+        if _is_example_copy(summary):
+            _warn(warnings, f"dropped a copy of the prompt's example: {summary.strip()[:40]!r}")
             continue
         refs = list(dict.fromkeys(_refs(raw_refs, turn_ids, valid, warnings)))
         if not refs:
             _warn(warnings, f"memory {summary.strip()[:40]!r} has no valid turn reference")
         result.append(ExtractedMemory(summary=" ".join(summary.split()), refs=refs))
+        orphan_target = len(result) - 1 if not refs and raw_refs is None else None
     return result
+
+
+_SALVAGE = re.compile(
+    r'"summary"\s*:\s*"((?:[^"\\]|\\.){1,2000})"(?:\s*,\s*"references?"\s*:\s*\[([^\[\]]{0,200})\])?'
+)
+
+
+def _salvage_items(text: str) -> list[Any] | None:
+    """Complete `"summary": "…"` pairs of a reply cut off mid-JSON (e.g. at max_tokens)."""
+    if "summary" not in text:
+        return None
+    items: list[Any] = []
+    for match in _SALVAGE.finditer(text):
+        try:
+            summary = json.loads('"' + match.group(1) + '"')
+        except (ValueError, RecursionError):
+            continue
+        refs = _loads("[" + match.group(2) + "]") if match.group(2) is not None else None
+        items.append({"summary": summary, "reference": refs})
+    return items or None
+
+
+def _is_example_copy(summary: str) -> bool:
+    normalized = " ".join(summary.split()).lower()
+    if normalized in EXAMPLE_SUMMARIES:
+        return True
+    # near copies: the example's person and most of its words
+    if not _EXAMPLE_NAMES.search(summary):
+        return False
+    words = set(re.findall(r"[a-z]+", normalized))
+    return any(len(words & set(re.findall(r"[a-z]+", e))) >= 0.8 * len(set(re.findall(r"[a-z]+", e)))
+               for e in EXAMPLE_SUMMARIES)
 
 
 # -- update -----------------------------------------------------------------------------------
@@ -265,6 +323,7 @@ _BARE_ADD = re.compile(r"[\W_]*(?:action\s*:\s*)?add[\W_]*", re.IGNORECASE)
 _MERGE_ARGS = re.compile(
     r"\s*(?:index\s*[=:]\s*)?[\[\"']?\s*([+-]?\d{1,9})\s*[\]\"']?\s*[,;:]\s*(.*)", re.DOTALL | re.IGNORECASE
 )
+_ECHOED_HEADER = re.compile(r"\s*(?:existing notes|new note|example)\s*:", re.IGNORECASE)
 _SUMMARY_LABEL = re.compile(r"^(?:merged_summary|summary)\s*[=:]\s*", re.IGNORECASE)
 _QUOTES = "\"'“”‘’`"
 
@@ -310,6 +369,9 @@ def parse_update(text: str, n_existing: int) -> UpdateResult:
     result = UpdateResult([], warnings)
     recognised = False
     for line in _logical_lines(text):
+        if recognised and _ECHOED_HEADER.match(line):
+            _warn(warnings, "ignored what follows an echoed prompt header (the model went on with a new case)")
+            break
         matches = list(_ACTION.finditer(line))
         if not matches:
             if _BARE_ADD.fullmatch(line) and line.strip():
@@ -337,6 +399,9 @@ def parse_update(text: str, n_existing: int) -> UpdateResult:
                 continue
             if not summary:
                 _warn(warnings, f"dropped Merge({index}) without a merged summary")
+                continue
+            if _is_example_copy(summary):
+                _warn(warnings, f"dropped Merge({index}) copying the prompt's example")
                 continue
             result.append(UpdateAction("merge", index, summary))
     if not recognised:

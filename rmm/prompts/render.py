@@ -15,15 +15,15 @@ from rmm.types import Memory, Session, Turn
 __all__ = [
     "ANSWER_SCHEMA",
     "EXTRACTION_SCHEMA",
-    "load_template",
+    "answer_messages",
     "extraction_messages",
     "extraction_turn_ids",
-    "update_messages",
-    "answer_messages",
-    "judge_messages",
-    "parse_shown_memories",
     "is_answer_prompt",
+    "judge_messages",
+    "load_template",
     "normalize_memory_text",
+    "parse_shown_memories",
+    "update_messages",
 ]
 
 ANSWER_SCHEMA: dict = {
@@ -63,6 +63,7 @@ _MEMORY_LINE = "- Memory ["
 _CONTINUATION = "  "
 _ORIGINAL = "  Original turns:"
 _NO_MEMORIES = "(none)"
+_QUERY_LINE = "\nMy message: "
 
 
 @cache
@@ -79,8 +80,22 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _user(content: str) -> list[Message]:
-    return [{"role": "user", "content": content}]
+_INPUT_MARKER = "@@INPUT@@\n"
+
+
+def _messages(name: str, **values: str) -> list[Message]:
+    """Instructions and examples as the system message, the case at hand as the user message.
+
+    Small chat models continue an in-prompt example instead of answering when everything is one
+    user turn; separating the two roles makes them answer the case at hand far more often.
+    """
+    instructions, marker, task = load_template(name).template.partition(_INPUT_MARKER)
+    if not marker:
+        return [{"role": "user", "content": string.Template(instructions).substitute(**values)}]
+    return [
+        {"role": "system", "content": string.Template(instructions).substitute(**values).strip()},
+        {"role": "user", "content": string.Template(task).substitute(**values).strip() + "\n"},
+    ]
 
 
 def extraction_turn_ids(session: Session) -> list[str]:
@@ -98,15 +113,13 @@ def extraction_messages(session: Session, speaker: str) -> list[Message]:
         f"Turn {i} - {_one_line(t.speaker)}: {_one_line(t.text)}" for i, t in enumerate(session.turns)
     )
     when = f" (held {session.time})" if session.time else ""
-    content = load_template("extraction").substitute(speaker=speaker.strip(), turns=turns, session_time=when)
-    return _user(content)
+    return _messages("extraction", speaker=speaker.strip(), turns=turns, session_time=when)
 
 
 def update_messages(summary: str, existing: Sequence[Memory]) -> list[Message]:
     """Ask whether `summary` adds a new memory or merges into one of `existing` (indexed 0…)."""
     history = json.dumps([m.text for m in existing], ensure_ascii=False)
-    content = load_template("update").substitute(history=history, new=json.dumps(summary, ensure_ascii=False))
-    return _user(content)
+    return _messages("update", history=history, new=json.dumps(summary, ensure_ascii=False))
 
 
 def normalize_memory_text(text: str) -> str:
@@ -142,27 +155,29 @@ def answer_messages(
     `structured=True` asks for `{"answer", "citations"}` — send it with `json_schema=ANSWER_SCHEMA`.
     """
     if not isinstance(query, str):
-        raise ValueError(f"query must be a string, got {type(query).__name__}")
+        raise TypeError(f"query must be a string, got {type(query).__name__}")
     rendered = "\n".join(_render_memory(i, m) for i, m in enumerate(memories)) or _NO_MEMORIES
-    template = load_template("answer_structured" if structured else "answer")
-    content = template.substitute(history=_render_history(history), query=_one_line(query), memories=rendered)
-    return _user(content)
+    return _messages("answer_structured" if structured else "answer", history=_render_history(history),
+                     query=_one_line(query), memories=rendered)
 
 
 def judge_messages(question: str, gold_answer: str, prediction: str) -> list[Message]:
     """App. D.3: does the prediction answer the question as the gold answer does? (Yes / No)."""
-    content = load_template("judge").substitute(
-        question=_one_line(question), answer=_one_line(str(gold_answer)), response=_one_line(prediction)
-    )
-    return _user(content)
+    return _messages("judge", question=_one_line(question), answer=_one_line(str(gold_answer)),
+                     response=_one_line(prediction))
 
 
 def _answer_section(conversation: Sequence[Message]) -> str | None:
+    """The memory list of an answer prompt's user message (None for any other prompt).
+
+    The query and history are rendered on single lines, so only the real header starts a line
+    with `Memories:`; the list ends at the first line that is neither an entry nor indented.
+    """
     for message in reversed(conversation):
         if message.get("role") == "user":
-            content = message.get("content", "")
+            content = "\n" + message.get("content", "")
             at = content.rfind(_MEMORIES_HEADER)
-            if at >= 0 and content.rstrip().endswith("Reply:"):
+            if at >= 0 and _QUERY_LINE in content[at:]:
                 return content[at + len(_MEMORIES_HEADER):]
             return None
     return None
@@ -179,7 +194,7 @@ def parse_shown_memories(conversation: Sequence[Message]) -> list[str]:
     """
     section = _answer_section(conversation)
     if section is None:
-        raise PromptParseError("not an answer prompt: no memory list followed by 'Reply:'")
+        raise PromptParseError("not an answer prompt: no memory list followed by the user's message")
     texts: list[str] = []
     in_original = False
     for line in section.split("\n"):

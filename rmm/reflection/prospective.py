@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from rmm.errors import RmmError
-from rmm.reflection.segment import EXTRACTIVE_LABEL, SegmenterConfig, TopicSegmenter, turn_line
+from rmm.reflection.segment import (
+    EXTRACTIVE_LABEL,
+    SegmenterConfig,
+    TopicSegmenter,
+    turn_line,
+)
 from rmm.types import Memory, Session, Turn
 
 if TYPE_CHECKING:
@@ -32,7 +37,7 @@ if TYPE_CHECKING:
     from rmm.llm.base import LLM
     from rmm.prompts import ExtractedMemory
 
-__all__ = ["ProspectiveReflector", "ReflectionStats", "Extractive"]
+__all__ = ["Extractive", "ProspectiveReflector", "ReflectionStats"]
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +105,12 @@ class ProspectiveReflector:
         t0 = time.perf_counter()
         self.stats.sessions += 1
         touched: dict[str, Memory] = {}
-        for extracted in self.extract(session, speakers):
-            memory = self.update(session.user_id, extracted, session)
+        extracted = self.extract(session, speakers)
+        if extracted and all(isinstance(e, Extractive) for e in extracted):
+            memories = self._update_extractive(session.user_id, extracted, session)  # type: ignore[arg-type]
+        else:
+            memories = [self.update(session.user_id, e, session) for e in extracted]
+        for memory in memories:
             touched[memory.id] = memory
         self.stats.seconds += time.perf_counter() - t0
         return list(touched.values())
@@ -142,16 +151,12 @@ class ProspectiveReflector:
 
         `session` (the one it was extracted from) supplies the referenced turns' text and time.
         """
+        if isinstance(extracted, Extractive) or self.llm is None:
+            (memory,) = self._update_extractive(user, [extracted], session)
+            return memory
         self.stats.extracted += 1
         context = _context_of(session)
-        neighbours = self._neighbours(user, extracted.summary)
-        if isinstance(extracted, Extractive) or self.llm is None:
-            target = neighbours[0][0] if neighbours and neighbours[0][1] >= self.merge_threshold else None
-            if target is not None and len(set(target.refs) | set(extracted.refs)) > self.max_merged_turns:
-                target = None
-            if target is not None:
-                return self._merge(target, target.text + "\n" + extracted.summary, extracted, context, True)
-            return self._add(user, extracted, context, extractive=True)
+        (neighbours,) = self._neighbours(user, [extracted.summary])
         if not neighbours:
             return self._add(user, extracted, context)
         index, merged = self._decide(extracted.summary, [m for m, _ in neighbours])
@@ -159,7 +164,29 @@ class ProspectiveReflector:
             return self._add(user, extracted, context)
         return self._merge(neighbours[index][0], merged, extracted, context, False)
 
-    # ---- helpers --------------------------------------------------------------------------
+    def _update_extractive(self, user: str, extracted: list[Extractive], session: Session | None) -> list[Memory]:
+        """The fallback's update, a whole session at once (one encoder call, one search, one add):
+        each segment merges into its most similar earlier topic when the cosine reaches
+        `merge_threshold` and the result stays within `max_merged_turns`, else it is added."""
+        context = _context_of(session)
+        self.stats.extracted += len(extracted)
+        merged: dict[str, Memory] = {}
+        adds: list[Memory] = []
+        for e, neighbours in zip(extracted, self._neighbours(user, [e.summary for e in extracted])):
+            target = neighbours[0][0] if neighbours and neighbours[0][1] >= self.merge_threshold else None
+            if target is not None:
+                current = merged.get(target.id, target)
+                if len(set(current.refs) | set(e.refs)) <= self.max_merged_turns:
+                    merged[target.id] = self._merged(current, current.text + "\n" + e.summary, e, context, True)
+                    self.stats.merged += 1
+                    continue
+            adds.append(self._new(user, e, context, extractive=True))
+        out = [self.bank.update(user, memory) for memory in merged.values()]
+        if adds:
+            self.bank.add(user, adds)
+            self.stats.added += len(adds)
+        return out + adds
+
     def _decide(self, summary: str, existing: list[Memory]) -> tuple[int | None, str]:
         """The LLM's Add/Merge decision; anything unusable means Add (nothing gets lost)."""
         from rmm.prompts import PromptParseError, parse_update, update_messages
@@ -180,42 +207,52 @@ class ProspectiveReflector:
             self.stats.update_failures += 1
         return None, summary
 
-    def _neighbours(self, user: str, summary: str) -> list[tuple[Memory, float]]:
-        """The top-K most similar topic memories of `user`, with their cosine similarity."""
-        if not self.bank.store.has_user(user):
-            return []
-        vector = torch.as_tensor(self.bank.encoder.encode_passages([summary])).float()
-        found = self.bank.search_embeddings(vector, user, k=4 * self.top_k)[0]
-        if not found.memory_ids:
-            return []
-        cosine = F.cosine_similarity(found.embeddings, vector, dim=-1).tolist()
-        memories = {m.id: m for m in self.bank.get(user, found.memory_ids)}
-        ranked = sorted(((memories[i], c) for i, c in zip(found.memory_ids, cosine) if memories[i].kind == "topic"),
-                        key=lambda mc: -mc[1])
-        return ranked[:self.top_k]
+    def _neighbours(self, user: str, summaries: list[str]) -> list[list[tuple[Memory, float]]]:
+        """For each summary, the top-K most similar topic memories of `user` with their cosine."""
+        if not summaries or not self.bank.store.has_user(user):
+            return [[] for _ in summaries]
+        vectors = torch.as_tensor(self.bank.encoder.encode_passages(summaries)).float()
+        found = self.bank.search_embeddings(vectors, user, k=4 * self.top_k)  # over-fetch: other kinds drop out
+        ids = list(dict.fromkeys(i for c in found for i in c.memory_ids))
+        memories = {m.id: m for m in self.bank.get(user, ids)} if ids else {}
+        out = []
+        for vector, c in zip(vectors, found):
+            cosine = F.cosine_similarity(c.embeddings, vector, dim=-1).tolist() if c.memory_ids else []
+            ranked = sorted(((memories[i], x) for i, x in zip(c.memory_ids, cosine) if memories[i].kind == "topic"),
+                            key=lambda mc: -mc[1])
+            out.append(ranked[:self.top_k])
+        return out
 
     def _add(self, user: str, extracted: ExtractedMemory | Extractive, context: _Context,
              extractive: bool = False) -> Memory:
-        memory = Memory(id=Memory.new_id(), user_id=user, kind="topic", text=extracted.summary,
-                        refs=list(dict.fromkeys(extracted.refs)),
-                        source_text=_source(extracted.refs, context, extractive),
-                        time_span=(context.time, context.time))
+        memory = self._new(user, extracted, context, extractive)
         self.bank.add(user, [memory])
         self.stats.added += 1
         return memory
 
     def _merge(self, target: Memory, text: str, extracted: ExtractedMemory | Extractive, context: _Context,
                extractive: bool) -> Memory:
+        self.stats.merged += 1
+        return self.bank.update(target.user_id, self._merged(target, text, extracted, context, extractive))
+
+    @staticmethod
+    def _new(user: str, extracted: ExtractedMemory | Extractive, context: _Context, extractive: bool) -> Memory:
+        return Memory(id=Memory.new_id(), user_id=user, kind="topic", text=extracted.summary,
+                      refs=list(dict.fromkeys(extracted.refs)), source_text=_source(extracted.refs, context, extractive),
+                      time_span=(context.time, context.time))
+
+    @staticmethod
+    def _merged(target: Memory, text: str, extracted: ExtractedMemory | Extractive, context: _Context,
+                extractive: bool) -> Memory:
+        """`target` with `extracted` folded in: new text, refs union, lineage, wider time span."""
         start, end = target.time_span or (None, None)
         # Sessions arrive in order, so a merge can only extend the span forward.
         span = (start or context.time, context.time or end)
         new_source = _source([r for r in extracted.refs if r not in target.refs], context,
                              extractive and EXTRACTIVE_LABEL not in target.source_text)
-        merged = replace(target, text=text, refs=list(dict.fromkeys([*target.refs, *extracted.refs])),
-                         source_text="\n".join(s for s in (target.source_text, new_source) if s),
-                         merged_from=[*target.merged_from, Memory.new_id()], time_span=span)
-        self.stats.merged += 1
-        return self.bank.update(target.user_id, merged)
+        return replace(target, text=text, refs=list(dict.fromkeys([*target.refs, *extracted.refs])),
+                       source_text="\n".join(s for s in (target.source_text, new_source) if s),
+                       merged_from=[*target.merged_from, Memory.new_id()], time_span=span)
 
     def _segment(self, session: Session) -> list[Extractive]:
         return [Extractive("\n".join(turn_line(t) for t in seg), [t.id for t in seg])

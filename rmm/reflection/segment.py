@@ -10,6 +10,7 @@ stored (`EXTRACTIVE_LABEL` in `source_text`), so nobody mistakes it for an LLM s
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Protocol
@@ -67,7 +68,7 @@ class TopicSegmenter:
         vectors = F.normalize(torch.as_tensor(self.encoder.encode_passages([turn_line(t) for t in turns])).float(), dim=-1)
         cuts = boundaries(vectors, self.config)
         edges = [0, *cuts, len(turns)]
-        return [turns[a:b] for a, b in zip(edges, edges[1:])]
+        return [turns[a:b] for a, b in itertools.pairwise(edges)]
 
 
 def gap_similarities(vectors: torch.Tensor, window: int) -> torch.Tensor:
@@ -116,7 +117,7 @@ def boundaries(vectors: torch.Tensor, config: SegmenterConfig) -> list[int]:
             break
         pos = g + 1
         edges = sorted([0, *cuts, pos, n])
-        if all(b - a >= config.min_size for a, b in zip(edges, edges[1:])):
+        if all(b - a >= config.min_size for a, b in itertools.pairwise(edges)):
             cuts.append(pos)
     cuts.sort()
     return _split_long([0, *cuts, n], sims, config)[1:-1]
@@ -125,7 +126,7 @@ def boundaries(vectors: torch.Tensor, config: SegmenterConfig) -> list[int]:
 def _split_long(edges: list[int], sims: torch.Tensor, config: SegmenterConfig) -> list[int]:
     """Split segments longer than max_size at their least similar inner gap (recursively)."""
     out = [edges[0]]
-    for a, b in zip(edges, edges[1:]):
+    for a, b in itertools.pairwise(edges):
         out.extend(_split_one(a, b, sims, config))
     return out
 

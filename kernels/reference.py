@@ -1,0 +1,206 @@
+"""The exact torch reference of the fused rerank step (what the Triton kernel must reproduce).
+
+One step of serving / exploring (DESIGN.md §4): scores `s[b,k] = q[b]·E[ids[b,k]]`, Gumbel noise,
+top-M of `s/τ + g` (of `s` when greedy), and the Plackett–Luce log-probability of each pick.
+
+Noise comes from one of two sources, chosen by the caller:
+
+- a **seed**: counter-based Philox-4x32-10, bit for bit the stream of Triton's `tl.rand(seed,
+  offset)` with `offset = b·K + k`, re-implemented here in int64 torch arithmetic. The same seed
+  gives the same uniforms on CPU and in the kernel, which is what lets tests compare the two
+  exactly (the Gumbel transform on top may differ by an ulp: `log` is not correctly rounded);
+- a **torch.Generator** (or the global RNG): `torch.rand` uniforms, identical to
+  `rmm.sampling.gumbel_noise`, so the reranker's CPU behaviour for a given generator is unchanged.
+
+Conventions shared with the kernel: `ids == -1` marks padding; padded scores are `-inf`; a pick
+that finds no valid candidate left is `-1` with log-probability 0; ties go to the lower index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "RerankResult",
+    "gather_scores",
+    "gumbel_from_uniform",
+    "philox_uniform",
+    "plackett_luce_picks_logp",
+    "rerank_reference",
+    "seeded_gumbel",
+    "select_top_m",
+    "stream_gumbel",
+]
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_KEY_A = 0x9E3779B9
+_PHILOX_KEY_B = 0xBB67AE85
+_PHILOX_ROUND_A = 0xD2511F53
+_PHILOX_ROUND_B = 0xCD9E8D57
+_PHILOX_ROUNDS = 10
+# Triton's uint_to_uniform_float scale: the largest value with (2**31 - 1) * scale < 1 in float32.
+_UNIFORM_SCALE = 4.6566127342e-10
+
+
+@dataclass
+class RerankResult:
+    """Output of one rerank call; rows are queries, K candidates, M picks (best / first drawn first)."""
+
+    indices: Tensor  # [B, M] int64 positions into the K candidates, -1 = no pick (row ran out)
+    scores: Tensor  # [B, K] float32 `q·E[id]`, -inf at padding
+    logp: Tensor  # [B, M] float32 Plackett–Luce log-probability of each pick under s/τ, 0 where no pick
+    noise: Tensor | None  # [B, K] float32 Gumbel noise when exploring, else None
+    backend: str  # "torch" or "triton": which implementation produced it
+
+
+# ---- counter-based noise (Philox-4x32-10, as triton.language.random) ---------------------------
+def _umulhi_lo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """High and low 32 bits of `a * b` for a 32-bit constant `a` and uint32 values in int64 `b`.
+
+    Splitting `b` into 16-bit halves keeps every intermediate below 2**49: no int64 overflow.
+    """
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    p_hi, p_lo = a * b_hi, a * b_lo  # each < 2**48
+    high = (p_hi + (p_lo >> 16)) >> 16
+    low = (((p_hi & 0xFFFF) << 16) + p_lo) & _MASK32
+    return high & _MASK32, low
+
+
+def philox_uniform(seed: int, offsets: Tensor) -> Tensor:
+    """`tl.rand(seed, offsets)` for int64 `offsets`: float32 uniforms in [0, 1).
+
+    Counter = (offset low word, offset high word, 0, 0), key = (seed low word, seed high word);
+    the first output word becomes the float as in `uint_to_uniform_float`.
+    """
+    if not 0 <= int(seed) < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    seed = int(seed)
+    offsets = offsets.to(torch.int64)
+    c0 = offsets & _MASK32
+    c1 = (offsets >> 32) & _MASK32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(_PHILOX_ROUNDS):
+        hi_b, lo_b = _umulhi_lo(_PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _umulhi_lo(_PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + _PHILOX_KEY_A) & _MASK32
+        k1 = (k1 + _PHILOX_KEY_B) & _MASK32
+    signed = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # bitcast to int32
+    signed = torch.where(signed < 0, -signed - 1, signed).to(torch.int32)
+    return signed.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=signed.device)
+
+
+def gumbel_from_uniform(u: Tensor) -> Tensor:
+    """`-log(-log u)` with `u` kept inside (0, 1) as in `rmm.sampling.gumbel_noise` (finite noise)."""
+    finfo = torch.finfo(u.dtype)
+    u = u.clamp(min=finfo.tiny, max=1.0 - finfo.eps)
+    return -torch.log(-torch.log(u))
+
+
+def seeded_gumbel(seed: int, batch: int, k: int, device: torch.device | str | None = None) -> Tensor:
+    """Gumbel noise `[batch, k]` from Philox counters `b·k + j`: the kernel's noise, bit for bit
+    in the uniforms."""
+    offsets = torch.arange(batch * k, dtype=torch.int64, device=device).view(batch, k)
+    return gumbel_from_uniform(philox_uniform(seed, offsets))
+
+
+def stream_gumbel(
+    batch: int, k: int, generator: torch.Generator | None, device: torch.device | str | None = None
+) -> Tensor:
+    """Gumbel noise `[batch, k]` from torch's RNG, the same draws as `rmm.sampling.gumbel_noise`.
+
+    The uniforms are drawn where the generator lives (a CPU generator may seed CUDA work).
+    """
+    draw_device = generator.device if generator is not None else device
+    u = torch.rand((batch, k), generator=generator, device=draw_device, dtype=torch.float32)
+    g = gumbel_from_uniform(u)
+    if device is not None and g.device != torch.device(device):
+        g = g.to(device)
+    return g
+
+
+# ---- scoring, selection, log-probabilities -----------------------------------------------------
+def gather_scores(queries: Tensor, bank: Tensor, ids: Tensor) -> Tensor:
+    """`s[b,k] = q[b]·E[ids[b,k]]` in float32, `-inf` where `ids == -1`.
+
+    The reference may materialise the gathered `[B, K, d]` block; only the kernel must not.
+    """
+    valid = ids >= 0
+    gathered = bank[ids.clamp(min=0)].float()  # [B, K, d]
+    scores = (gathered @ queries.float().unsqueeze(-1)).squeeze(-1)
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def select_top_m(keys: Tensor, m: int) -> Tensor:
+    """Top-`m` positions of `keys` per row, best first, ties to the lower index; `-inf` → -1.
+
+    A stable descending sort makes ties deterministic (the kernel's argmax loop does the same).
+    """
+    batch, k = keys.shape
+    take = min(m, k)
+    order = torch.sort(keys, dim=-1, descending=True, stable=True)
+    picks = order.indices[:, :take]
+    picks = picks.masked_fill(order.values[:, :take] == float("-inf"), -1)
+    if take < m:
+        picks = torch.cat([picks, picks.new_full((batch, m - take), -1)], dim=-1)
+    return picks
+
+
+def plackett_luce_picks_logp(scores: Tensor, picks: Tensor, tau: float) -> Tensor:
+    """`log π_j = s[c_j]/τ − logsumexp(s/τ over valid candidates not yet picked)`; 0 where c_j = -1.
+
+    Padding is whatever scores `-inf`; picks equal to -1 remove nothing and score 0.
+    """
+    k = scores.shape[-1]
+    logits = scores.float() / tau
+    has = picks >= 0
+    safe = picks.clamp(min=0)
+    picked = torch.nn.functional.one_hot(safe, num_classes=max(k, 1))[..., :k].to(torch.bool)
+    picked = picked & has.unsqueeze(-1)  # [B, M, K]
+    removed = (picked.cumsum(-2) - picked.to(torch.long)) > 0
+    available = ~removed & (logits > float("-inf")).unsqueeze(-2)
+    rows = logits.unsqueeze(-2).expand(available.shape)
+    rows = torch.where(available, rows, torch.full_like(rows, float("-inf")))
+    empty = ~available.any(-1, keepdim=True)
+    rows = torch.where(empty, torch.zeros_like(rows), rows)
+    normaliser = torch.logsumexp(rows, dim=-1)  # [B, M]
+    picked_logits = logits.gather(-1, safe) if k else torch.zeros_like(normaliser)
+    return torch.where(has, picked_logits - normaliser, torch.zeros_like(normaliser))
+
+
+def rerank_reference(
+    queries: Tensor,
+    bank: Tensor,
+    ids: Tensor,
+    m: int,
+    tau: float,
+    *,
+    explore: bool,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    noise: Tensor | None = None,
+) -> RerankResult:
+    """The whole step in plain torch; inputs are assumed validated (see `rmm.kernels.dispatch`).
+
+    Noise when exploring: `noise` if given, else Philox from `seed`, else the torch stream of
+    `generator` (the global RNG when None).
+    """
+    batch, k = ids.shape
+    scores = gather_scores(queries, bank, ids)
+    if explore:
+        if noise is None:
+            noise = (seeded_gumbel(seed, batch, k, device=scores.device) if seed is not None
+                     else stream_gumbel(batch, k, generator, device=scores.device))
+        noise = noise.to(scores.device, torch.float32)
+        keys = (scores / tau + noise).masked_fill(ids < 0, float("-inf"))
+    else:
+        noise = None
+        keys = scores
+    picks = select_top_m(keys, m)
+    logp = plackett_luce_picks_logp(scores, picks, tau)
+    return RerankResult(indices=picks, scores=scores, logp=logp, noise=noise, backend="torch")

@@ -1,0 +1,372 @@
+"""The fused rerank step: torch reference vs rmm.sampling, Triton kernel vs reference, dispatch.
+
+The kernel runs here in Triton's CPU interpreter when triton is installed (small sizes: the
+interpreter is slow) and compiled on CUDA when a GPU is present (`-m gpu`). Triton reads
+TRITON_INTERPRET when it is first imported, so this module sets it before anything imports triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import torch
+
+_CUDA = torch.cuda.is_available()
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+if _TRITON_INSTALLED and not _CUDA and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+from rmm.kernels import dispatch
+from rmm.kernels.dispatch import rerank, resolve_backend
+from rmm.kernels.reference import (
+    gumbel_from_uniform,
+    philox_uniform,
+    plackett_luce_picks_logp,
+    rerank_reference,
+    seeded_gumbel,
+    stream_gumbel,
+)
+
+from rmm.device import default_dtype, resolve_device
+from rmm.errors import DimensionMismatchError
+from rmm.sampling import gumbel_noise, gumbel_top_m, plackett_luce_logp, top_m
+
+
+def _kernel_skip_reason() -> str | None:
+    if not _TRITON_INSTALLED:
+        return "triton is not installed (pip install triton to run the kernel under TRITON_INTERPRET=1)"
+    if not dispatch.triton_available():
+        return f"triton does not import: {dispatch._triton_import_error()}"
+    if _CUDA:
+        return None
+    if not dispatch.interpreting():
+        return "triton was imported before TRITON_INTERPRET=1 could be set; run this file alone"
+    return None
+
+
+KERNEL_SKIP = _kernel_skip_reason()
+needs_kernel = pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
+KERNEL_DEVICE = "cuda" if _CUDA else "cpu"
+
+
+def make_problem(batch: int, k: int, dim: int, n: int, seed: int = 0, pad: dict[int, int] | None = None,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """Random queries, bank and candidate ids; `pad` maps a row to its number of real candidates."""
+    gen = torch.Generator().manual_seed(seed)
+    queries = torch.randn(batch, dim, generator=gen)
+    bank = torch.randn(n, dim, generator=gen)
+    ids = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(batch)])
+    for row, real in (pad or {}).items():
+        ids[row, real:] = -1
+    return queries.to(device, dtype), bank.to(device, dtype), ids.to(device)
+
+
+# ---- Philox: the reference reproduces tl.rand's stream --------------------------------------
+def test_philox_known_answers_and_range() -> None:
+    # Values of triton.language.rand(seed, offset) from triton 3.9 (checked bit for bit against
+    # the interpreter in test_philox_matches_tl_rand).
+    u = philox_uniform(0, torch.tensor([5, 6, 7]))
+    torch.testing.assert_close(u, torch.tensor([0.9007, 0.5728, 0.6820]), atol=1e-4, rtol=0)
+    many = philox_uniform(12345, torch.arange(8000))
+    assert many.dtype == torch.float32 and (many >= 0).all() and (many < 1).all()
+    assert abs(many.mean().item() - 0.5) < 0.01 and abs(many.var().item() - 1 / 12) < 0.005
+    assert torch.equal(many, philox_uniform(12345, torch.arange(8000)))
+    assert not torch.equal(many[:100], philox_uniform(12346, torch.arange(100)))
+    # the high word of the counter matters: offsets 2**32 apart differ
+    assert not torch.equal(philox_uniform(1, torch.arange(50)), philox_uniform(1, torch.arange(50) + 2**32))
+    with pytest.raises(ValueError, match="seed"):
+        philox_uniform(-1, torch.arange(3))
+
+
+@needs_kernel
+def test_philox_matches_tl_rand() -> None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def draw(out_ptr, seed, base, BLOCK: tl.constexpr):
+        offsets = base + tl.arange(0, BLOCK).to(tl.int64)
+        tl.store(out_ptr + tl.arange(0, BLOCK), tl.rand(seed, offsets))
+
+    for seed, base in ((0, 0), (7, 123), (2**40 + 3, 2**33 + 1), (2**62 - 5, 9)):
+        out = torch.empty(64, device=KERNEL_DEVICE)
+        draw[(1,)](out, seed, base, BLOCK=64)
+        expected = philox_uniform(seed, torch.arange(64, dtype=torch.int64) + base)
+        assert torch.equal(out.cpu(), expected), (seed, base)
+
+
+def test_seeded_gumbel_is_gumbel_distributed() -> None:
+    g = seeded_gumbel(3, 200, 100)
+    assert g.shape == (200, 100) and torch.isfinite(g).all()
+    euler_gamma = 0.5772156649
+    assert abs(g.mean().item() - euler_gamma) < 0.03
+    assert abs(g.var().item() - math.pi**2 / 6) < 0.06
+    torch.testing.assert_close(gumbel_from_uniform(torch.tensor([0.0, 1.0])).isfinite(), torch.tensor([True, True]))
+
+
+# ---- reference vs rmm.sampling ---------------------------------------------------------------
+def test_reference_stream_noise_equals_sampling_gumbel_noise() -> None:
+    a = stream_gumbel(4, 9, torch.Generator().manual_seed(11))
+    b = gumbel_noise((4, 9), generator=torch.Generator().manual_seed(11))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tau", [0.5, 1.3])
+def test_reference_agrees_with_sampling(tau: float) -> None:
+    queries, bank, ids = make_problem(5, 12, 8, 40, seed=1)
+    explored = rerank_reference(queries, bank, ids, 4, tau, explore=True, generator=torch.Generator().manual_seed(2))
+    scores = (bank[ids] @ queries.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(explored.scores, scores)
+    chosen, noise = gumbel_top_m(scores, 4, tau, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(explored.indices, chosen) and torch.equal(explored.noise, noise)
+    torch.testing.assert_close(explored.logp, plackett_luce_logp(scores, chosen, tau))
+    greedy = rerank_reference(queries, bank, ids, 4, tau, explore=False)
+    assert torch.equal(greedy.indices, top_m(scores, 4)) and greedy.noise is None
+    torch.testing.assert_close(greedy.logp, plackett_luce_logp(scores, greedy.indices, tau))
+
+
+def test_reference_padding_agrees_with_sampling_mask() -> None:
+    queries, bank, ids = make_problem(3, 10, 6, 30, seed=4, pad={1: 6, 2: 3})
+    result = rerank_reference(queries, bank, ids, 5, 0.5, explore=True, seed=9)
+    mask = ids >= 0
+    assert (result.scores[~mask] == float("-inf")).all() and torch.isfinite(result.scores[mask]).all()
+    # row 2 has 3 candidates: its last two picks are -1 with log π 0
+    assert result.indices[2, 3:].tolist() == [-1, -1] and result.logp[2, 3:].tolist() == [0.0, 0.0]
+    assert (result.indices[:2] >= 0).all()
+    for row in range(3):
+        real = result.indices[row][result.indices[row] >= 0]
+        assert mask[row, real].all() and len(set(real.tolist())) == len(real)
+    clean_scores = result.scores.masked_fill(~mask, 0.0)
+    expected = plackett_luce_logp(clean_scores[:2], result.indices[:2], 0.5, mask[:2])
+    torch.testing.assert_close(result.logp[:2], expected)
+    logp_direct = plackett_luce_picks_logp(result.scores, result.indices, 0.5)
+    torch.testing.assert_close(logp_direct, result.logp)
+
+
+def test_seeded_first_pick_follows_softmax_of_scores_over_tau() -> None:
+    """Gumbel-top-1 of s/τ + g samples softmax(s/τ): check frequencies over many rows."""
+    tau, rows = 0.5, 6000
+    q = torch.tensor([[1.0, 0.0]])
+    bank = torch.tensor([[0.6, 0.0], [0.3, 0.0], [0.0, 0.0], [-0.4, 0.0]])
+    ids = torch.arange(4).repeat(rows, 1)
+    result = rerank_reference(q.expand(rows, 2), bank, ids, 2, tau, explore=True, seed=2024)
+    freq = torch.bincount(result.indices[:, 0], minlength=4).float() / rows
+    expected = torch.softmax(bank[:, 0] / tau, dim=0)
+    assert (freq - expected).abs().max() < 0.025, (freq, expected)
+    # and log π of the first pick is exactly log softmax at the pick
+    torch.testing.assert_close(result.logp[:, 0], torch.log(expected)[result.indices[:, 0]])
+
+
+def test_greedy_ties_go_to_the_lower_index() -> None:
+    q = torch.ones(1, 2)
+    bank = torch.tensor([[1.0, 0.0], [2.0, 0.0]])
+    ids = torch.tensor([[0, 1, 0, 1]])  # duplicates: equal scores
+    result = rerank_reference(q, bank, ids, 4, 1.0, explore=False)
+    assert result.indices.tolist() == [[1, 3, 0, 2]]
+
+
+# ---- dispatch --------------------------------------------------------------------------------
+def test_dispatch_auto_is_torch_on_cpu_and_seeded_repeatable() -> None:
+    queries, bank, ids = make_problem(3, 8, 6, 20, seed=3)
+    a = rerank(queries, bank, ids, 3, 0.5, seed=5, explore=True)
+    b = rerank(queries, bank, ids, 3, 0.5, seed=5, explore=True)
+    assert a.backend == "torch" and torch.equal(a.indices, b.indices) and torch.equal(a.logp, b.logp)
+    assert resolve_backend("auto", torch.device("cpu"), 20, 5) == "torch"
+    many = rerank(queries.repeat(40, 1), bank, ids.repeat(40, 1), 3, 0.5, explore=True,
+                  generator=torch.Generator().manual_seed(1))
+    assert len({tuple(r) for r in many.indices.tolist()}) > 3  # exploring varies the picks
+
+
+def test_dispatch_backend_override_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    queries, bank, ids = make_problem(2, 5, 4, 10)
+    with pytest.raises(ValueError, match="backend"):
+        rerank(queries, bank, ids, 2, backend="cuda")
+    monkeypatch.setenv("RMM_KERNEL_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="RMM_KERNEL_BACKEND"):
+        rerank(queries, bank, ids, 2)
+    monkeypatch.setenv("RMM_KERNEL_BACKEND", "torch")
+    assert rerank(queries, bank, ids, 2).backend == "torch"
+    monkeypatch.delenv("RMM_KERNEL_BACKEND")
+    with pytest.raises(DimensionMismatchError):
+        rerank(queries, torch.randn(10, 5), ids, 2)
+    with pytest.raises(IndexError, match="ids"):
+        rerank(queries, bank, ids.masked_fill(ids == ids[0, 0], 10), 2)
+    with pytest.raises(IndexError, match="ids"):
+        rerank(queries, bank, ids.masked_fill(ids == ids[0, 0], -2), 2)
+    with pytest.raises(TypeError, match="int64"):
+        rerank(queries, bank, ids.float(), 2)
+    with pytest.raises(ValueError, match="tau"):
+        rerank(queries, bank, ids, 2, tau=0.0, explore=True)
+    with pytest.raises(ValueError, match="m must be"):
+        rerank(queries, bank, ids, -1)
+    with pytest.raises(ValueError, match="rows of ids"):
+        rerank(queries[:1], bank, ids, 2)
+    if not _CUDA and not dispatch.interpreting():
+        with pytest.raises(RuntimeError, match="triton"):
+            rerank(queries, bank, ids, 2, backend="triton")
+
+
+def test_dispatch_triton_refuses_sizes_beyond_the_kernel() -> None:
+    if not dispatch.triton_available():
+        pytest.skip("triton not installed: the size check comes after the import check")
+    device = torch.device("cuda") if _CUDA else torch.device("cpu")
+    if not _CUDA and not dispatch.interpreting():
+        pytest.skip("no CUDA and no interpreter: the device check comes first")
+    with pytest.raises(ValueError, match="K <= 256"):
+        resolve_backend("triton", device, 257, 5)
+    assert resolve_backend("triton", device, 256, 32) == "triton"
+
+
+def test_dispatch_empty_and_oversized_m() -> None:
+    queries, bank, ids = make_problem(2, 3, 4, 10)
+    out = rerank(queries, bank, ids, 5, 0.5, seed=1, explore=True)
+    assert out.indices.shape == (2, 5) and (out.indices[:, 3:] == -1).all() and (out.logp[:, 3:] == 0).all()
+    none = rerank(queries, bank, ids, 0, 0.5, explore=True, seed=1)
+    assert none.indices.shape == (2, 0) and none.noise.shape == (2, 3)
+    empty = rerank(queries, bank, ids[:, :0], 2, 0.5, explore=False)
+    assert empty.scores.shape == (2, 0) and (empty.indices == -1).all()
+
+
+# ---- the kernel vs the reference (interpreter on CPU, compiled on CUDA) ------------------------
+CASES = [  # batch, K, d, N, M, padding
+    (1, 1, 8, 3, 1, None),
+    (3, 20, 48, 50, 5, {1: 7}),
+    (4, 32, 64, 40, 6, {0: 2, 3: 0}),
+    (2, 17, 33, 20, 20, None),  # M > K: surplus picks are -1
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("explore", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}K{c[1]}d{c[2]}M{c[4]}")
+def test_kernel_matches_reference(case, explore: bool) -> None:
+    batch, k, dim, n, m, pad = case
+    queries, bank, ids = make_problem(batch, k, dim, n, seed=k + dim, pad=pad, device=KERNEL_DEVICE)
+    for seed in (0, 2**35 + 17) if explore else (0,):  # greedy ignores the seed
+        got = rerank(queries, bank, ids, m, 0.7, seed=seed, explore=explore, backend="triton")
+        ref = rerank(queries, bank, ids, m, 0.7, seed=seed, explore=explore, backend="torch")
+        assert got.backend == "triton" and ref.backend == "torch"
+        assert got.indices.dtype == torch.int64 and got.indices.shape == (batch, m)
+        assert torch.equal(got.indices.cpu(), ref.indices.cpu()), (got.indices, ref.indices)
+        finite = torch.isfinite(ref.scores)
+        assert torch.equal(torch.isfinite(got.scores), finite)
+        torch.testing.assert_close(got.scores[finite], ref.scores[finite], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(got.logp, ref.logp, rtol=1e-5, atol=1e-4)
+        if explore:
+            torch.testing.assert_close(got.noise, ref.noise, rtol=1e-5, atol=1e-5)
+        else:
+            assert got.noise is None
+
+
+@needs_kernel
+def test_kernel_ties_and_duplicate_ids_follow_the_reference() -> None:
+    q = torch.ones(1, 4, device=KERNEL_DEVICE)
+    bank = torch.tensor([[1.0, 0, 0, 0], [2.0, 0, 0, 0]], device=KERNEL_DEVICE)
+    ids = torch.tensor([[0, 1, 0, 1, -1]], device=KERNEL_DEVICE)
+    got = rerank(q, bank, ids, 5, 1.0, explore=False, backend="triton")
+    assert got.indices.tolist() == [[1, 3, 0, 2, -1]]
+    ref = rerank(q, bank, ids, 5, 1.0, explore=False, backend="torch")
+    torch.testing.assert_close(got.logp, ref.logp)
+
+
+@needs_kernel
+def test_kernel_seed_from_generator_is_repeatable() -> None:
+    queries, bank, ids = make_problem(2, 16, 16, 30, device=KERNEL_DEVICE)
+    a = rerank(queries, bank, ids, 4, 0.5, explore=True, backend="triton", generator=torch.Generator().manual_seed(3))
+    b = rerank(queries, bank, ids, 4, 0.5, explore=True, backend="triton", generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.noise, b.noise)
+
+
+# ---- CUDA only: real sizes, half-precision banks, the reranker through dispatch ---------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_kernel_matches_reference_at_serving_sizes(dtype: torch.dtype) -> None:
+    queries, bank, ids = make_problem(64, 200, 768, 5000, seed=1, pad={3: 150}, device="cuda", dtype=dtype)
+    for explore in (False, True):
+        got = rerank(queries, bank, ids, 5, 0.5, seed=77, explore=explore)
+        ref = rerank(queries, bank, ids, 5, 0.5, seed=77, explore=explore, backend="torch")
+        assert got.backend == "triton"
+        finite = torch.isfinite(ref.scores)
+        tol = 1e-3 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.scores[finite], ref.scores[finite], rtol=tol, atol=tol)
+        # near-ties may swap under different summation orders: compare the picked keys instead
+        agree = (got.indices == ref.indices).float().mean().item()
+        assert agree > 0.98, agree
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="needs a CUDA device")
+def test_gpu_reranker_select_runs_the_kernel() -> None:
+    from rmm.reranker import ResidualLinearReranker
+    from rmm.types import Candidates
+
+    assert resolve_backend("auto", torch.device("cuda"), 20, 5) == "triton"
+    reranker = ResidualLinearReranker(32).cuda()
+    gen = torch.Generator().manual_seed(0)
+    cands = []
+    for i, k in enumerate((20, 7, 20)):
+        q, m = torch.randn(32, generator=gen), torch.randn(k, 32, generator=gen)
+        cands.append(Candidates("q", [f"{i}-{j}" for j in range(k)], m @ q, m, q, user_id="u"))
+    sels = reranker.select(cands, 5, explore=True, generator=torch.Generator().manual_seed(1))
+    assert [len(s.chosen) for s in sels] == [5, 5, 5]
+    for sel in sels:
+        expected = plackett_luce_logp(sel.scores[None], torch.tensor([sel.chosen]), 0.5)[0]
+        torch.testing.assert_close(sel.logp, expected, rtol=1e-4, atol=1e-4)
+    greedy = reranker.select(cands, 5)
+    for sel, c in zip(greedy, cands):
+        assert sel.chosen == torch.argsort(c.retriever_scores, descending=True)[:5].tolist()
+
+
+# ---- device="auto" on CPU ------------------------------------------------------------------------
+def test_device_auto_resolves_by_cuda_availability(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert default_dtype(torch.device("cpu")) == torch.float32
+    with pytest.raises(RuntimeError, match="CUDA"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+
+
+def test_auto_device_components_run_on_cpu_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rmm.index import TorchIndex
+    from rmm.learner import Learner
+    from rmm.reranker import ResidualLinearReranker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    index = TorchIndex(4, device="auto")
+    assert index.device == torch.device("cpu")
+    index.add(["a", "b"], torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]))
+    scores, ids = index.search(torch.tensor([[0.2, 0.9, 0, 0]]), 1)
+    assert ids == [["b"]] and scores.device.type == "cpu"
+    learner = Learner(ResidualLinearReranker(4), device="auto")
+    assert learner.device == torch.device("cpu") and learner.reranker.W_q.weight.device.type == "cpu"
+
+
+# ---- the A100 recipes stay in step with `rmm train`'s flags ----------------------------------------
+def test_a100_online_recipes_parse_with_the_train_cli() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from rmm.cli import build_parser
+
+    folder = Path(__file__).resolve().parents[1] / "configs" / "train"
+    recipes = sorted(folder.glob("online-*-a100.yaml"))
+    assert {p.stem for p in recipes} >= {"online-contriever-a100", "online-stella-a100", "online-gte-a100"}
+    for path in recipes:
+        recipe = yaml.safe_load(path.read_text())
+        assert recipe["command"] == "rmm train"
+        argv = ["train"]
+        for flag, value in recipe["args"].items():
+            if value is None or value is False:
+                continue
+            argv += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
+        args = build_parser().parse_args(argv)
+        assert args.device == "cuda" and args.k == 20 and args.m == 5
+        assert args.retriever in path.stem

@@ -1,0 +1,275 @@
+"""Offline contrastive pretraining: pairs, split, sampler, loss/gather maths, a tiny real run, config."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from rmm.training.pretrain import (
+    NoDuplicateBatchSampler,
+    Pair,
+    build,
+    build_pairs,
+    contrastive_logits,
+    contrastive_loss,
+    make_trainer,
+    mine_hard_negatives,
+    run_pretrain,
+    split_users,
+)
+from rmm.training.pretrain_cli import add_pretrain_command
+from rmm.training.pretrain_config import (
+    PretrainConfig,
+    PretrainConfigError,
+    load_config,
+)
+
+from rmm.data import load_dataset
+from rmm.encoders import load_encoder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tiny_encoder_dir(tmp_path: Path, minilm_path: Path) -> Path:
+    """A 1-layer random BERT with MiniLM's tokenizer, saved as an rmm encoder folder (fast to train)."""
+    from transformers import BertConfig, BertModel
+
+    folder = tmp_path / "tiny-bert"
+    torch.manual_seed(0)
+    tokenizer_files = ["vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    folder.mkdir()
+    for name in tokenizer_files:
+        if (minilm_path / name).is_file():
+            shutil.copy(minilm_path / name, folder / name)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    BertModel(config).save_pretrained(folder)
+    (folder / "rmm_encoder.json").write_text(json.dumps({"format": 1, "name": "tiny", "pooling": "mean",
+                                                         "normalize": True, "dense": False, "max_length": 64}))
+    return folder
+
+
+def tiny_config(tmp_path: Path, data_dir: Path, encoder: Path | str, **overrides) -> PretrainConfig:
+    base: dict = {"encoder": str(encoder), "data_dir": str(data_dir), "output_dir": str(tmp_path / "out"),
+                  "epochs": 1, "batch_size": 4, "lr": 1e-3, "max_length": 32, "accelerator": "cpu", "devices": 1,
+                  "precision": "32-true", "checkpoint": False, "progress": False, "val_fraction": 0.0,
+                  "test_fraction": 0.34, "eval_ks": [5]}
+    base.update(overrides)
+    return PretrainConfig(**base)
+
+
+def pair(query: str, passage: str, gold: tuple[str, ...] = (), user: str = "u") -> Pair:
+    return Pair(query, passage, user, query, passage, frozenset(gold or (passage,)))
+
+
+# ------------------------------------------------------------------------------------- data
+
+
+def test_pairs_use_bank_turn_text_and_split_is_disjoint(tiny_data_dir: Path) -> None:
+    dataset = load_dataset("locomo", tiny_data_dir)
+    split = split_users(dataset.users, 0.34, 0.34, seed=3)
+    assert set(split.train) | set(split.val) | set(split.test) == set(dataset.users)
+    assert not set(split.train) & set(split.test) and not set(split.val) & set(split.test)
+    assert not set(split.train) & set(split.val)
+    assert split_users(dataset.users, 0.34, 0.34, seed=3) == split  # seeded
+    pairs = build_pairs(dataset, split.train)
+    assert pairs and {p.user for p in pairs} == set(split.train)
+    # passages read exactly as the turn bank stores them: "speaker: text"
+    assert all(p.passage.split(": ", 1)[0] in {"Ana", "Ben"} for p in pairs)
+    with pytest.raises(Exception, match="2 users"):
+        split_users(["only"], 0.1, 0.3, 0)
+
+
+def test_no_duplicate_sampler_never_batches_a_false_negative() -> None:
+    pairs = []
+    for i in range(40):
+        # many questions share a passage, some questions repeat, one question has two gold turns
+        pairs.append(pair(f"q{i % 13}", f"p{i % 7}", gold=(f"p{i % 7}", f"p{(i + 1) % 7}") if i % 5 == 0 else ()))
+    negatives = {i: [f"p{(i + 3) % 7}"] for i in range(len(pairs))}
+    sampler = NoDuplicateBatchSampler(pairs, batch_size=5, seed=1, hard_negatives=negatives)
+    seen: list[int] = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        seen = []
+        for batch in sampler:
+            assert len(batch) <= 5
+            passages = [pairs[i].passage for i in batch]
+            assert len(passages) == len(set(passages))
+            assert len({pairs[i].query for i in batch}) == len(batch)
+            for i in batch:
+                others_shown = {pairs[j].passage for j in batch if j != i} | {
+                    n for j in batch if j != i for n in negatives[j]}
+                assert not (pairs[i].gold_passages & others_shown)
+            seen += batch
+        assert sorted(seen) == list(range(len(pairs)))  # every pair once per epoch
+
+
+def test_sampler_shards_equal_slices_across_ranks() -> None:
+    pairs = [pair(f"q{i}", f"p{i}") for i in range(23)]
+    shards = [list(NoDuplicateBatchSampler(pairs, 4, seed=0, num_replicas=2, rank=r)) for r in range(2)]
+    assert len(shards[0]) == len(shards[1])
+    for a, b in zip(*shards):
+        assert len(a) == len(b) and not set(a) & set(b)
+
+
+def test_hard_negatives_exclude_gold(tiny_data_dir: Path, tiny_encoder_dir: Path) -> None:
+    dataset = load_dataset("locomo", tiny_data_dir)
+    pairs = build_pairs(dataset, dataset.users[:1])
+    encoder = load_encoder(str(tiny_encoder_dir), device="cpu")
+    mined = mine_hard_negatives(encoder, dataset, pairs, k=3)
+    assert set(mined) == set(range(len(pairs)))
+    for i, negatives in mined.items():
+        assert len(negatives) == 3
+        assert not set(negatives) & pairs[i].gold_passages
+        user_turns = {f"{t.speaker}: {t.text}" for t in dataset.turns(pairs[i].user)}
+        assert set(negatives) <= user_turns
+
+
+# ------------------------------------------------------------------------------------- loss
+
+
+def test_logits_columns_and_labels_follow_rank_offsets() -> None:
+    q = torch.eye(3)[:2]  # 2 local queries
+    positives_all = torch.eye(3)[[2, 2, 0, 1]]  # 2 ranks × 2 positives; rank 1 holds columns 2, 3
+    negatives_all = torch.zeros(2, 3)
+    logits, labels = contrastive_logits(q, positives_all, negatives_all, rank=1, scale=2.0)
+    assert logits.shape == (2, 6)
+    assert labels.tolist() == [2, 3]
+    assert logits[0, 2] == 2.0 and logits[1, 3] == 2.0
+
+
+def test_fake_world_gather_gives_the_global_batch_gradient() -> None:
+    """W ranks, each computing its local mean loss against gathered passages whose backward sums
+    the gradients (as the differentiable all_gather does), then DDP's mean over ranks, equals the
+    single-process loss and gradient of the whole global batch."""
+    torch.manual_seed(0)
+    world, local, dim = 3, 4, 8
+    q = torch.randn(world * local, dim, requires_grad=True)
+    p = torch.randn(world * local, dim, requires_grad=True)
+    n = torch.randn(world * local, dim, requires_grad=True)
+    single = contrastive_loss(q, p, n, scale=20.0)  # no process group: world of one
+    grads_single = torch.autograd.grad(single, [q, p, n])
+    per_rank = []
+    for rank in range(world):
+        rows = slice(rank * local, (rank + 1) * local)
+        logits, labels = contrastive_logits(q[rows], p, n, rank, 20.0)  # p, n: "gathered" (grad flows to all)
+        per_rank.append(torch.nn.functional.cross_entropy(logits, labels))
+    ddp = torch.stack(per_rank).mean()  # DDP averages gradients over ranks
+    grads_ddp = torch.autograd.grad(ddp, [q, p, n])
+    assert torch.allclose(single, ddp, atol=1e-6)
+    for a, b in zip(grads_single, grads_ddp):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------- training
+
+
+def test_loss_decreases_on_a_fixed_batch(tmp_path: Path, tiny_data_dir: Path, tiny_encoder_dir: Path) -> None:
+    cfg = tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir)
+    module, data = build(cfg)
+    module.train()
+    batch = data.collate("train", list(range(4)))
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = module.batch_loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] * 0.5
+
+
+def test_trained_module_exports_an_encoder_that_loads_with_the_same_embeddings(
+        tmp_path: Path, tiny_data_dir: Path, tiny_encoder_dir: Path) -> None:
+    cfg = tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir, max_steps=3, hard_negatives=1)
+    module, data = build(cfg)
+    module.train()
+    make_trainer(cfg).fit(module, datamodule=data)
+    module.eval()
+    saved = module.export_encoder(tmp_path / "encoder")
+    loaded = load_encoder(str(saved), device="cpu")
+    assert loaded.config.pooling == "mean" and loaded.config.normalize and loaded.dim == 32
+    texts = ["Ana: I went hiking in the Alps", "What novel are they reading?"]
+    trained = module.encoder.encode_passages(texts)
+    assert torch.allclose(loaded.encode_passages(texts), trained, atol=1e-5)
+    base = load_encoder(str(tiny_encoder_dir), device="cpu")
+    assert not torch.allclose(base.encode_passages(texts), trained, atol=1e-4)  # training moved the weights
+    assert data.hard_negatives and all(len(n) == 1 for n in data.hard_negatives.values())
+
+
+def test_run_pretrain_reports_heldout_recall_before_and_after(
+        tmp_path: Path, tiny_data_dir: Path, tiny_encoder_dir: Path) -> None:
+    cfg = tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir, max_steps=2)
+    report = run_pretrain(cfg)
+    assert report.steps == 2 and report.pairs_per_second > 0
+    assert report.before["n"] == report.after["n"] > 0 and "recall@5" in report.after
+    assert "test 1" in report.split
+    assert load_encoder(report.output, device="cpu").dim == 32
+    assert json.loads((Path(cfg.output_dir) / "report.json").read_text())["steps"] == 2
+
+
+def test_trainer_uses_our_sampler_not_lightnings(tmp_path: Path, tiny_data_dir: Path) -> None:
+    trainer = make_trainer(tiny_config(tmp_path, tiny_data_dir, "minilm"))
+    assert trainer._accelerator_connector.use_distributed_sampler is False
+
+
+def test_lora_without_peft_says_how_to_install(tmp_path: Path, tiny_data_dir: Path, tiny_encoder_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_peft(name, *args, **kwargs):
+        if name == "peft" or name.startswith("peft."):
+            raise ImportError("No module named 'peft'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_peft)
+    with pytest.raises(Exception, match="pip install peft"):
+        build(tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir, lora=True))
+
+
+# ------------------------------------------------------------------------------------- config
+
+
+def test_config_overrides_parse_and_bad_keys_are_refused(tmp_path: Path) -> None:
+    cfg = load_config(REPO / "configs" / "pretrain" / "minilm-locomo-cpu.yaml",
+                      ["epochs=3", "lr=2e-5", "lora_target_modules=[q_proj, v_proj]", "learnable_temperature=true"])
+    assert cfg.epochs == 3 and cfg.lr == 2e-5 and cfg.learnable_temperature is True
+    assert cfg.lora_target_modules == ["q_proj", "v_proj"] and cfg.batch_size == 32
+    with pytest.raises(PretrainConfigError, match="did you mean epochs"):
+        load_config(None, ["epoch=3"])
+    with pytest.raises(PretrainConfigError, match="key=value"):
+        load_config(None, ["epochs"])
+    with pytest.raises(PretrainConfigError, match="batch_size"):
+        load_config(None, ["batch_size=0"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("encoder: minilm\nlearning_rate: 0.1\n")
+    with pytest.raises(PretrainConfigError, match="learning_rate"):
+        load_config(bad)
+    with pytest.raises(PretrainConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("name", ["minilm-locomo-cpu", "contriever-a100", "stella-a100", "gte-a100"])
+def test_shipped_recipes_load(name: str) -> None:
+    cfg = load_config(REPO / "configs" / "pretrain" / f"{name}.yaml")
+    assert cfg.batch_size == 32 and cfg.lr == pytest.approx(1e-4)
+
+
+def test_cli_command_registers_and_parses_overrides() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_pretrain_command(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["pretrain", "--config", "x.yaml", "epochs=2", "lora=true"])
+    assert args.config == "x.yaml" and args.overrides == ["epochs=2", "lora=true"]
+    assert callable(args.func)

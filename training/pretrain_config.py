@@ -1,0 +1,174 @@
+"""Configuration of offline contrastive pretraining: one dataclass, read from YAML, `key=value` overrides.
+
+A recipe is a YAML file of `PretrainConfig` fields; the command line may override any field with
+`key=value` (the value is parsed as YAML, so `epochs=2`, `lora=true`, `lora_target_modules=[q,v]`
+work). Unknown keys are refused with the list of valid ones, because a typo silently falling back
+to a default would waste a GPU run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rmm.errors import RmmError
+
+
+class PretrainConfigError(RmmError, ValueError):
+    """A pretraining recipe or override that cannot be used."""
+
+
+@dataclass
+class PretrainConfig:
+    """Every knob of a pretraining run (RMM §8.6 / App. A.1: lr 1e-4, 10 epochs, batch 32)."""
+
+    # what to train, on what
+    encoder: str = "minilm"  # preset name or encoder folder (load_encoder)
+    dataset: str = "locomo"  # rmm.data.load_dataset name
+    data_dir: str | None = None
+    output_dir: str = "runs/pretrain"
+    seed: int = 0
+    # split by conversation/user (fractions of users; at least one user in train and test)
+    val_fraction: float = 0.1
+    test_fraction: float = 0.3
+    # optimisation
+    epochs: int = 10
+    max_steps: int = -1  # > 0 stops earlier (tests, benchmarks)
+    batch_size: int = 32  # pairs per device; the global batch is batch_size × world size
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    grad_clip: float = 1.0
+    max_length: int = 128  # training truncation (the saved encoder keeps its own max_length)
+    # InfoNCE: scores are the encoder's own similarity (dot product of its output, i.e. cosine for
+    # L2-normalised encoders) divided by the temperature; learnable → a log-scale parameter
+    # initialised at 1/temperature and clamped to ≤ 100 (CLIP's guard).
+    temperature: float = 0.05
+    learnable_temperature: bool = False
+    # hard negatives: top-ranked non-gold turns of the same user under the current encoder,
+    # re-mined at the start of every epoch when refresh is on
+    hard_negatives: int = 0
+    hard_negative_skip: int = 0  # skip the very top non-gold ranks (often unlabelled positives)
+    refresh_hard_negatives: bool = True
+    # hardware
+    accelerator: str = "auto"
+    devices: int | str = "auto"
+    strategy: str = "auto"  # "ddp" for multi-GPU
+    precision: str = "auto"  # auto = bf16-mixed on CUDA, 32-true on CPU
+    dtype: str = "float32"  # weights' dtype; bfloat16 for a LoRA-trained 7B base
+    gradient_checkpointing: bool = False
+    lora: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] | None = None  # None → peft's default for the architecture
+    num_workers: int = 0
+    # outputs
+    checkpoint: bool = True  # Lightning checkpoints (last + best val_loss) under output_dir/checkpoints
+    wandb_project: str | None = None  # W&B only when set and WANDB_MODE != disabled
+    wandb_run_name: str | None = None
+    log_every_n_steps: int = 10
+    progress: bool = True
+    # evaluation on the held-out (test) users
+    eval_ks: list[int] = field(default_factory=lambda: [5, 10])
+    eval_before: bool = True
+    rerank: bool = False  # also train the online reranker on top ("pretraining + RR")
+    rerank_recipe: str = "auto"
+    rerank_epochs: int = 1
+    eval_device: str = "auto"
+
+    def __post_init__(self) -> None:
+        # YAML 1.1 reads `2e-5` (no dot) as a string; accept it for the float options
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("float", float) and isinstance(value, str):
+                try:
+                    setattr(self, f.name, float(value))
+                except ValueError:
+                    raise PretrainConfigError(f"{f.name} must be a number, got {value!r}") from None
+        positive_ints = ("batch_size", "max_length", "log_every_n_steps", "rerank_epochs", "lora_r")
+        for name in positive_ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PretrainConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise PretrainConfigError(f"epochs must be a positive integer, got {self.epochs!r}")
+        if not isinstance(self.hard_negatives, int) or self.hard_negatives < 0:
+            raise PretrainConfigError(f"hard_negatives must be an integer ≥ 0, got {self.hard_negatives!r}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise PretrainConfigError(f"temperature must be > 0, got {self.temperature!r}")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise PretrainConfigError(f"lr must be > 0, got {self.lr!r}")
+        for name in ("val_fraction", "test_fraction"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < 1):
+                raise PretrainConfigError(f"{name} must be in [0, 1), got {value!r}")
+        if self.test_fraction <= 0:
+            raise PretrainConfigError("test_fraction must be > 0: the report compares held-out recall")
+        if self.val_fraction + self.test_fraction >= 1:
+            raise PretrainConfigError("val_fraction + test_fraction must leave users to train on (< 1)")
+        if self.precision not in ("auto", "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true"):
+            raise PretrainConfigError(f"precision {self.precision!r} is not one of auto, 32-true, bf16-mixed, "
+                                      "16-mixed, bf16-true")
+        if not self.eval_ks or any(not isinstance(k, int) or k < 1 for k in self.eval_ks):
+            raise PretrainConfigError(f"eval_ks must be a non-empty list of positive integers, got {self.eval_ks!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name for f in dataclasses.fields(PretrainConfig)}
+
+
+def _check_keys(keys: list[str], where: str) -> None:
+    for key in keys:
+        if key not in FIELDS:
+            close = difflib.get_close_matches(key, sorted(FIELDS), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise PretrainConfigError(f"unknown pretraining option {key!r} in {where}{hint}; valid options: "
+                                      f"{', '.join(sorted(FIELDS))}")
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`["epochs=2", "lora=true"]` → `{"epochs": 2, "lora": True}` (values parsed as YAML)."""
+    parsed: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep or not key:
+            raise PretrainConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            parsed[key] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            raise PretrainConfigError(f"override {item!r}: cannot parse the value: {err}") from err
+    _check_keys(list(parsed), "the overrides")
+    return parsed
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PretrainConfig:
+    """A YAML recipe (or the defaults when `path` is None) with `key=value` overrides applied."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise PretrainConfigError(f"pretraining config {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise PretrainConfigError(f"{path} is not valid YAML: {err}") from err
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise PretrainConfigError(f"{path} must hold a mapping of options, got {type(loaded).__name__}")
+        _check_keys(list(loaded), str(path))
+        data.update(loaded)
+    data.update(parse_overrides(overrides or []))
+    try:
+        return PretrainConfig(**data)
+    except TypeError as err:  # pragma: no cover - keys are checked above
+        raise PretrainConfigError(str(err)) from err
