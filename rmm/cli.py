@@ -459,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.set_defaults(func=cmd_quickstart)
 
+    from rmm.training.pretrain_cli import add_pretrain_command
+
+    add_pretrain_command(sub)
+
     p = sub.add_parser("llm", help="LLM helpers")
     llm_sub = p.add_subparsers(dest="llm_command", required=True)
     d = llm_sub.add_parser("serve", help="start `vllm serve` for a model and wait until it is ready")

@@ -56,7 +56,7 @@ def rmm_round(cfg, batches: list[list[int]], dataset) -> tuple[float, float]:
     data.train_dataloader = lambda: torch.utils.data.DataLoader(  # type: ignore[method-assign]
         list(range(len(data.pairs["train"]))), batch_sampler=FixedBatches(),
         collate_fn=lambda idx: data.collate("train", idx))
-    data.val_dataloader = list  # type: ignore[method-assign]
+    data.val_dataloader = lambda: []  # type: ignore[method-assign]  # noqa: PIE807 (Lightning inspects __code__)
     marks: list[tuple[float, float]] = []
 
     class WallClock(L.Callback):  # from the end of the warm-up step to the end of the last one

@@ -187,6 +187,18 @@ def test_loss_decreases_on_a_fixed_batch(tmp_path: Path, tiny_data_dir: Path, ti
     assert losses[-1] < losses[0] * 0.5
 
 
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path: Path, tiny_data_dir: Path,
+                                                         tiny_encoder_dir: Path) -> None:
+    grads = []
+    for checkpointing in (False, True):
+        module, data = build(tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir,
+                                         gradient_checkpointing=checkpointing))
+        module.eval()  # no dropout: the two passes must agree exactly
+        module.batch_loss(data.collate("train", [0, 1, 2])).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in module.model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
 def test_trained_module_exports_an_encoder_that_loads_with_the_same_embeddings(
         tmp_path: Path, tiny_data_dir: Path, tiny_encoder_dir: Path) -> None:
     cfg = tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir, max_steps=3, hard_negatives=1)
