@@ -44,7 +44,7 @@ class ScriptedLLM(LLM):
         self.answer, self.extraction = answer, extraction
         self.seen: list[list[str]] = []
 
-    def generate(self, batch: list[list[Message]], *, json_schema=None, max_tokens=512, temperature=0.0):
+    def _generate(self, batch: list[list[Message]], *, json_schema=None, max_tokens=512, temperature=0.0):
         out = []
         for conversation in batch:
             if is_answer_prompt(conversation):

@@ -41,7 +41,7 @@ class ChatLLM(LLM):
     def __init__(self) -> None:
         super().__init__("scripted-chat")
 
-    def generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0):
+    def _generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0):
         out = []
         for conversation in batch:
             prompt = conversation[-1]["content"]
@@ -157,7 +157,7 @@ class QALLM(LLM):
     def __init__(self) -> None:
         super().__init__("scripted-qa")
 
-    def generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0):
+    def _generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0):
         out = []
         for conversation in batch:
             prompt = conversation[-1]["content"]

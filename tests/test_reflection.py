@@ -51,7 +51,7 @@ class ScriptedLLM(LLM):
         self.script = script
         self.prompts: list[str] = []
 
-    def generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0) -> list[str]:
+    def _generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0) -> list[str]:
         out = []
         for conversation in batch:
             self.prompts.append(conversation[-1]["content"])
@@ -156,7 +156,7 @@ def test_unusable_extraction_falls_back_to_segmentation(bank: MemoryBank, replie
 
 def test_llm_transport_error_falls_back(bank: MemoryBank) -> None:
     class Down(ScriptedLLM):
-        def generate(self, batch, **kwargs):
+        def _generate(self, batch, **kwargs):
             raise LLMError("connection refused")
 
     reflector = ProspectiveReflector(bank, Down([]))

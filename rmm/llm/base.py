@@ -57,7 +57,6 @@ class LLM(ABC):
         with self._usage_lock:
             self.usage.add(usage)
 
-    @abstractmethod
     def generate(
         self,
         batch: list[list[Message]],
@@ -72,6 +71,21 @@ class LLM(ABC):
         the backend has it (OpenAI-compatible servers, vLLM), only requested in the prompt
         elsewhere (transformers) — so callers always parse tolerantly.
         """
+        check_batch(batch, max_tokens, temperature, json_schema)
+        if not batch:
+            return []
+        return self._generate(batch, json_schema=json_schema, max_tokens=max_tokens, temperature=temperature)
+
+    @abstractmethod
+    def _generate(
+        self,
+        batch: list[list[Message]],
+        *,
+        json_schema: dict | None = None,
+        max_tokens: int = 512,
+        temperature: float = 0.0,
+    ) -> list[str]:
+        """The backend's work on a validated, non-empty batch."""
 
     def close(self) -> None:
         """Release connections or models (no-op by default)."""

@@ -25,7 +25,7 @@ from typing import Any
 
 from rmm.device import default_dtype, resolve_device
 from rmm.errors import LLMError, ModelNotFoundError
-from rmm.llm.base import LLM, Message, Usage, check_batch
+from rmm.llm.base import LLM, Message, Usage
 from rmm.llm.openai import with_schema_instruction
 from rmm.paths import cache_dir
 
@@ -173,7 +173,7 @@ class HFLLM(LLM):
             prompts.append(prompt)
         return prompts
 
-    def generate(
+    def _generate(
         self,
         batch: list[list[Message]],
         *,
@@ -183,7 +183,6 @@ class HFLLM(LLM):
     ) -> list[str]:
         import torch
 
-        check_batch(batch, max_tokens, temperature, json_schema)
         previous_threads = torch.get_num_threads()
         if self.threads is not None and self.device.type == "cpu":
             torch.set_num_threads(max(1, int(self.threads)))

@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 from rmm.errors import LLMError
-from rmm.llm.base import LLM, Message, Usage, check_batch
+from rmm.llm.base import LLM, Message, Usage
 
 __all__ = ["RETRY_STATUSES", "OpenAILLM", "schema_instruction"]
 
@@ -206,7 +206,7 @@ class OpenAILLM(LLM):
         )
 
     # -- interface --------------------------------------------------------------------------
-    def generate(
+    def _generate(
         self,
         batch: list[list[Message]],
         *,
@@ -214,9 +214,6 @@ class OpenAILLM(LLM):
         max_tokens: int = 512,
         temperature: float = 0.0,
     ) -> list[str]:
-        check_batch(batch, max_tokens, temperature, json_schema)
-        if not batch:
-            return []
         started = time.perf_counter()
         payloads = [self._payload(c, json_schema, max_tokens, temperature) for c in batch]
         workers = min(self.concurrency, len(payloads))

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from rmm.errors import LLMError
-from rmm.llm.base import LLM, Message, Usage, check_batch
+from rmm.llm.base import LLM, Message, Usage
 from rmm.llm.simulated import SimulatedCiter
 from rmm.prompts import PromptParseError, parse_shown_memories
 
@@ -43,7 +43,7 @@ class SimulatedLLM(LLM):
             raise LLMError(f"oracle returned {len(hits)} hits for {len(texts)} shown memories")
         return hits
 
-    def generate(
+    def _generate(
         self,
         batch: list[list[Message]],
         *,
@@ -51,7 +51,6 @@ class SimulatedLLM(LLM):
         max_tokens: int = 512,
         temperature: float = 0.0,
     ) -> list[str]:
-        check_batch(batch, max_tokens, temperature, json_schema)
         started = time.perf_counter()
         replies: list[str] = []
         for conversation in batch:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from rmm.errors import LLMError
-from rmm.llm.base import LLM, Message, Usage, check_batch
+from rmm.llm.base import LLM, Message, Usage
 
 __all__ = ["VLLMEngine", "import_vllm"]
 
@@ -57,7 +57,7 @@ class VLLMEngine(LLM):
             raise LLMError(f"vLLM could not load {model_path}: {error}") from error
         self._sampling_params = vllm.SamplingParams
 
-    def generate(
+    def _generate(
         self,
         batch: list[list[Message]],
         *,
@@ -65,9 +65,6 @@ class VLLMEngine(LLM):
         max_tokens: int = 512,
         temperature: float = 0.0,
     ) -> list[str]:
-        check_batch(batch, max_tokens, temperature, json_schema)
-        if not batch:
-            return []
         extra = _structured_kwargs(json_schema) if json_schema is not None else {}
         params = self._sampling_params(max_tokens=max_tokens, temperature=temperature, **extra)
         started = time.perf_counter()
