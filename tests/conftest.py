@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # lets tests import `fakes`
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

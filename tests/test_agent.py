@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from fakes import BagOfWordsEncoder
 
 from rmm.agent import ASSISTANT, Agent
 from rmm.bank import MemoryBank
@@ -18,22 +17,6 @@ from rmm.llm.base import LLM, Message, Usage
 from rmm.prompts import is_answer_prompt, parse_shown_memories
 from rmm.reflection import ProspectiveReflector
 from rmm.types import Memory
-
-DIM = 64
-
-
-class BagOfWordsEncoder:
-    name, dim, fingerprint = "bow", DIM, "bow-v1"
-
-    def encode_queries(self, texts: list[str]) -> torch.Tensor:
-        out = torch.zeros(len(texts), DIM)
-        for i, text in enumerate(texts):
-            for word in re.findall(r"[a-z]+", text.lower()):
-                if len(word) > 3:
-                    out[i, int(hashlib.md5(word.encode()).hexdigest(), 16) % DIM] += 1.0
-        return torch.nn.functional.normalize(out + 1e-4, dim=-1)
-
-    encode_passages = encode_queries
 
 
 class ScriptedLLM(LLM):

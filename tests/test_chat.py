@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import builtins
-import hashlib
 import json
-import re
 from pathlib import Path
 
 import pytest
-import torch
+from fakes import BagOfWordsEncoder
 
 import rmm.encoders
 import rmm.llm
@@ -17,22 +15,6 @@ from rmm.cli import main
 from rmm.llm.base import LLM, Usage
 from rmm.prompts import is_answer_prompt, parse_shown_memories
 from rmm.store import MemoryStore
-
-DIM = 64
-
-
-class BagOfWordsEncoder:
-    name, dim, fingerprint = "bow", DIM, "bow-v1"
-
-    def encode_queries(self, texts: list[str]) -> torch.Tensor:
-        out = torch.zeros(len(texts), DIM)
-        for i, text in enumerate(texts):
-            for word in re.findall(r"[a-z]+", text.lower()):
-                if len(word) > 3:
-                    out[i, int(hashlib.md5(word.encode()).hexdigest(), 16) % DIM] += 1.0
-        return torch.nn.functional.normalize(out + 1e-4, dim=-1)
-
-    encode_passages = encode_queries
 
 
 class ChatLLM(LLM):
