@@ -200,6 +200,14 @@ def test_fallback_segments_two_obvious_topics_with_correct_refs(bank: MemoryBank
         assert m.text == "\n".join(f"{t.speaker}: {t.text}" for t in session().turns if t.id in m.refs)
 
 
+def test_fallback_for_named_speakers_never_stores_the_other_side(bank: MemoryBank) -> None:
+    """The agent reflects on the user only: a reply echoing its prompt must not become a memory."""
+    ana = {t.id for t in session().turns if t.speaker == "Ana"}
+    memories = ProspectiveReflector(bank, None).reflect(session(), speakers=["Ana"])
+    assert memories and all(set(m.refs) <= ana for m in memories)
+    assert all("Ben:" not in m.text for m in memories)
+
+
 def test_segment_sizes_are_bounded() -> None:
     config = SegmenterConfig(window=1, min_size=2, max_size=3)
     segments = TopicSegmenter(BagOfWordsEncoder(), config).segments(session(texts=HIKING * 3))

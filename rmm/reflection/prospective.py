@@ -116,11 +116,17 @@ class ProspectiveReflector:
         return list(touched.values())
 
     def extract(self, session: Session, speakers: list[str] | None = None) -> list[ExtractedMemory | Extractive]:
-        """Topic summaries with turn refs: one batched LLM call over speakers, else the fallback."""
+        """Topic summaries with turn refs: one batched LLM call over speakers, else the fallback.
+
+        The LLM sees the whole session and is asked about each speaker; the fallback, which
+        cannot tell whose facts a turn states, segments only the named speakers' turns — so what
+        the agent said back (possibly a model echoing its prompt) never becomes a memory.
+        """
         if not session.turns:
             return []
+        own = replace(session, turns=[t for t in session.turns if t.speaker in speakers]) if speakers else session
         if self.llm is None:
-            return self._segment(session)
+            return self._segment(own)
         from rmm.prompts import PromptParseError, extraction_messages, parse_extraction
 
         speakers = speakers or list(dict.fromkeys(t.speaker for t in session.turns))
@@ -132,7 +138,7 @@ class ProspectiveReflector:
         except RmmError as exc:
             log.warning("extraction for session %s failed (%s); using the fallback segmentation", session.id, exc)
             self.stats.extraction_failures += len(speakers)
-            return self._fallback(session)
+            return self._fallback(own)
         extracted: list[ExtractedMemory | Extractive] = []
         failed = 0
         for speaker, reply in zip(speakers, replies):
@@ -143,7 +149,7 @@ class ProspectiveReflector:
                 log.warning("unusable extraction for %s in session %s: %s", speaker, session.id, exc)
         self.stats.extraction_failures += failed
         if failed and not extracted:
-            return self._fallback(session)
+            return self._fallback(own)
         return extracted
 
     def update(self, user: str, extracted: ExtractedMemory | Extractive, session: Session | None = None) -> Memory:
