@@ -70,13 +70,13 @@ def dataset_digest(dataset: Dataset, granularity: str) -> str:
 def fill(bank_or_store: MemoryBank | MemoryStore, dataset: Dataset, granularity: str,
          progress: bool = True) -> None:
     """Add every user's documents that are not there yet (an interrupted build resumes)."""
+    store = bank_or_store.store if isinstance(bank_or_store, MemoryBank) else bank_or_store
     for user in tqdm(dataset.users, desc=f"building {granularity} bank", unit="user", disable=not progress):
-        store = bank_or_store.store if isinstance(bank_or_store, MemoryBank) else bank_or_store
-        if store.has_user(user) and len(store.memories(user)) == len(documents(dataset, user, granularity)):
-            continue
-        if store.has_user(user):
-            bank_or_store.delete_user(user)  # partial from an interrupted build: redo it whole
         docs = documents(dataset, user, granularity)
+        if store.has_user(user):
+            if store.count(user) == len(docs):
+                continue
+            bank_or_store.delete_user(user)  # partial from an interrupted build: redo it whole
         if isinstance(bank_or_store, MemoryBank):
             bank_or_store.add(user, docs)
         else:

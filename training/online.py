@@ -267,7 +267,10 @@ class OnlineTrainer:
 
         train_qs = [q for q in self.split.train if q.id in self.rows["reranker"]]
         key = f"recall@{self.cfg.eval_k}"
-        curve = {name: _running_mean([self.rows[name][q.id][key] for q in train_qs]) for name in self.rows}
+        curve = {}
+        for name, rows in self.rows.items():
+            values = [rows[q.id][key] for q in train_qs]
+            curve[name] = moving_average(values, len(values))  # a window of everything: the running mean
         learners = {u: asdict(learner.stats) for u, learner in self.learners.items()}
         return OnlineReport(
             retriever=summary(self.rows["retriever"], train_qs),
@@ -306,14 +309,6 @@ def _seed(seed: int, epoch: int, qid: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}|{epoch}|{qid}".encode()).digest()[:8], "little") >> 1
 
 
-def _running_mean(values: list[float]) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values, 1):
-        total += v
-        out.append(total / i)
-    return out
-
-
 def _atomic_write_json(path: Path, obj: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
@@ -324,6 +319,7 @@ def _atomic_write_json(path: Path, obj: Any) -> None:
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
+    """Mean of the last `window` values at each step (fewer at the start)."""
     window = max(1, min(window, len(values)))
     out, acc = [], 0.0
     for i, v in enumerate(values):
