@@ -1,0 +1,1 @@
+"""Query-side front ends that stand before retrieval (GOAL-MEM goal decomposition)."""

@@ -1,0 +1,1 @@
+"""The retrieval server: batched retrieve, feedback into the learner, auth and durability."""
