@@ -67,7 +67,7 @@ class Agent:
         self.learn, self.structured, self.store_turns = learn, structured, store_turns
         self.max_tokens = max_tokens
         self.per_user = per_user
-        self.reflector = reflector or ProspectiveReflector(bank, llm)
+        self.reflector = reflector or ProspectiveReflector(bank, llm, structured=structured)
         self.sessions = sessions if sessions is not None else SessionLog(Path(bank.path) / SESSIONS_FILE)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else Path(bank.path) / CHECKPOINT_DIR
         self.checkpoint_every = checkpoint_every

@@ -94,6 +94,26 @@ def test_unparseable_citation_is_skipped(bank: MemoryBank) -> None:
     assert stats.records == 0 and stats.skipped_no_citation == 1
 
 
+@pytest.mark.parametrize("reply", [
+    "You love hiking in the mountains on weekends and playing guitar at open-mic nights. [0, 2]",
+    "I don't know which countries you visited last summer. [NO_CITE]",
+    ('{"answer": "You love hiking in the mountains on weekends and playing guitar at open-mic nights.", '
+    '"citations": [0, 2]}'),
+])
+def test_a_reply_copying_the_prompts_worked_example_teaches_nothing(bank: MemoryBank, reply: str) -> None:
+    agent = make_agent(bank, ScriptedLLM(lambda shown: reply), structured=reply.startswith("{"))
+    response = agent.respond("ana", "What does Ana do for fun?")
+    assert response.feedback.rewards is None and response.cited == []
+    assert any("worked example" in w for w in response.feedback.citation.warnings)
+    assert agent.learner("ana").stats.records == 0
+
+
+def test_an_answer_that_only_shares_words_with_the_example_still_counts(bank: MemoryBank) -> None:
+    agent = make_agent(bank, ScriptedLLM(lambda shown: "You love hiking in the mountains. [0]"))
+    response = agent.respond("ana", "Where does Ana hike?")
+    assert response.feedback.rewards is not None and len(response.cited) == 1
+
+
 def test_not_learning_is_greedy_and_records_nothing(bank: MemoryBank) -> None:
     agent = make_agent(bank, ScriptedLLM(cite_mentions("cello")), learn=False)
     a = agent.respond("ana", "cello orchestra")

@@ -108,6 +108,18 @@ def test_extraction_in_fence_with_chatter_maps_turn_numbers() -> None:
     assert any("7" in w for w in result.warnings)
 
 
+def test_extraction_merges_a_looping_models_repeated_summaries() -> None:
+    text = json.dumps({"extracted_memories": [
+        {"summary": "Ana is busy with work.", "reference": [0]},
+        {"summary": "Ana adopted a puppy.", "reference": [2]},
+        {"summary": "ana is  busy with work.", "reference": [2, 0]},
+    ]})
+    result = parse_extraction(text, TURN_IDS)
+    assert list(result) == [ExtractedMemory("Ana is busy with work.", ["c:D1:1", "c:D1:3"]),
+                            ExtractedMemory("Ana adopted a puppy.", ["c:D1:3"])]
+    assert any("repeated" in w for w in result.warnings)
+
+
 def test_extraction_single_quotes_and_missing_fields() -> None:
     text = "{'extracted_memories': [{'summary': 'Ana has a puppy', 'reference': [0]}, {'reference': [1]}, {'summary': 'Ana likes parks'}]}"
     result = parse_extraction(text, TURN_IDS)

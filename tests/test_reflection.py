@@ -50,8 +50,10 @@ class ScriptedLLM(LLM):
         super().__init__("scripted")
         self.script = script
         self.prompts: list[str] = []
+        self.schemas: list[dict | None] = []
 
     def _generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0) -> list[str]:
+        self.schemas.append(json_schema)
         out = []
         for conversation in batch:
             self.prompts.append(conversation[-1]["content"])
@@ -94,6 +96,18 @@ def test_extract_batches_speakers_and_maps_refs_to_turn_ids(bank: MemoryBank) ->
     extracted = reflector.extract(session())
     assert len(llm.prompts) == 2 and llm.usage.calls == 1  # one batched call, one prompt per speaker
     assert [(e.summary, e.refs) for e in extracted] == [("Ana loves mountain hiking", ["u:S1:0", "u:S1:2"])]
+
+
+def test_structured_extraction_asks_for_the_schema_and_an_empty_list_means_no_trait(bank: MemoryBank) -> None:
+    from rmm.prompts import EXTRACTION_SCHEMA
+
+    llm = ScriptedLLM([extraction(("Ana loves mountain hiking", [0, 2])), extraction()])
+    reflector = ProspectiveReflector(bank, llm, structured=True)
+    extracted = reflector.extract(session())
+    assert llm.schemas == [EXTRACTION_SCHEMA]
+    assert [(e.summary, e.refs) for e in extracted] == [("Ana loves mountain hiking", ["u:S1:0", "u:S1:2"])]
+    assert reflector.stats.extraction_failures == 0
+    assert reflector.settings_key != ProspectiveReflector(bank, llm).settings_key
 
 
 def test_update_adds_into_an_empty_bank_without_asking(bank: MemoryBank) -> None:

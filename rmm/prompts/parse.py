@@ -280,7 +280,14 @@ def parse_extraction(text: str, valid_turn_ids: Sequence[str]) -> ExtractionResu
         refs = list(dict.fromkeys(_refs(raw_refs, turn_ids, valid, warnings)))
         if not refs:
             _warn(warnings, f"memory {summary.strip()[:40]!r} has no valid turn reference")
-        result.append(ExtractedMemory(summary=" ".join(summary.split()), refs=refs))
+        summary = " ".join(summary.split())
+        repeated = next((m for m in result if m.summary.lower() == summary.lower()), None)
+        if repeated is not None:  # small models loop; one memory per fact, with every turn it cited
+            repeated.refs = list(dict.fromkeys(repeated.refs + refs))
+            _warn(warnings, f"merged a repeated summary: {summary[:40]!r}")
+            orphan_target = None
+            continue
+        result.append(ExtractedMemory(summary=summary, refs=refs))
         orphan_target = len(result) - 1 if not refs and raw_refs is None else None
     return result
 

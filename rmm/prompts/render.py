@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import string
 from collections.abc import Sequence
 from functools import cache
@@ -43,11 +44,14 @@ EXTRACTION_SCHEMA: dict = {
     "properties": {
         "extracted_memories": {
             "type": "array",
+            "maxItems": 12,
             "items": {
                 "type": "object",
                 "properties": {
-                    "summary": {"type": "string"},
-                    "reference": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    # Bounds let constrained decoding close the JSON: a looping small model would
+                    # otherwise run into max_tokens mid-string and leave nothing parseable.
+                    "summary": {"type": "string", "maxLength": 300},
+                    "reference": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 20},
                 },
                 "required": ["summary", "reference"],
                 "additionalProperties": False,
@@ -181,6 +185,39 @@ def _answer_section(conversation: Sequence[Message]) -> str | None:
                 return content[at + len(_MEMORIES_HEADER):]
             return None
     return None
+
+
+_EXAMPLE_REPLY = re.compile(r"^Reply: (.+)$", re.MULTILINE)
+_TRAILING_CITATION = re.compile(r"\s*\[[^\[\]]*\]\s*$")
+
+
+def _answer_key(text: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9']+", text.lower()))
+
+
+@cache
+def example_answers() -> frozenset[str]:
+    """The answers of the answer templates' worked examples, normalised (read from the files)."""
+    answers = set()
+    for name in ("answer", "answer_structured"):
+        examples = load_template(name).template.partition(_INPUT_MARKER)[0]
+        for reply in _EXAMPLE_REPLY.findall(examples):
+            try:
+                answer = json.loads(reply)["answer"]
+            except (ValueError, KeyError, TypeError):
+                answer = _TRAILING_CITATION.sub("", reply)
+            answers.add(_answer_key(answer))
+    return frozenset(a for a in answers if a)
+
+
+def is_example_answer(answer: str) -> bool:
+    """Whether a reply copies a worked example's answer (small models do) instead of answering.
+
+    Its citations then point at the example's memory numbers, not at anything the reply used, so
+    they must not become rewards.
+    """
+    key = _answer_key(answer)
+    return bool(key) and any(example in key for example in example_answers())
 
 
 def is_answer_prompt(conversation: Sequence[Message]) -> bool:

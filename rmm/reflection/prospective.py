@@ -79,17 +79,20 @@ class ProspectiveReflector:
     `merge_threshold` is the cosine similarity above which the fallback merges an extractive topic
     into an existing one; `max_merged_turns` stops a fallback topic from growing without bound
     (a longer merge is added as a new topic instead: embedding models truncate long texts).
+    `structured=True` asks the backend for extraction JSON under the schema (constrained decoding
+    on vLLM / OpenAI-compatible servers); an empty list then plays the role of `NO_TRAIT`.
     """
 
     def __init__(self, bank: MemoryBank, llm: LLM | None = None, top_k: int = 5,
                  merge_threshold: float = DEFAULT_MERGE_THRESHOLD, *, segmenter: SegmenterConfig | None = None,
-                 max_merged_turns: int = 24, max_tokens: int = 1024) -> None:
+                 max_merged_turns: int = 24, max_tokens: int = 1024, structured: bool = False) -> None:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         self.bank, self.llm, self.top_k = bank, llm, top_k
         self.merge_threshold = merge_threshold
         self.max_merged_turns = max_merged_turns
         self.max_tokens = max_tokens
+        self.structured = structured
         self.segmenter = TopicSegmenter(bank.encoder, segmenter)
         self.stats = ReflectionStats()
 
@@ -97,7 +100,9 @@ class ProspectiveReflector:
     def settings_key(self) -> str:
         """Identifies what this reflector would build (for caching banks built with it)."""
         llm = self.llm.name if self.llm is not None else "fallback"
-        return f"{llm}-k{self.top_k}-t{self.merge_threshold}-mt{self.max_merged_turns}-{self.segmenter.config.key()}"
+        schema = "-json" if self.structured and self.llm is not None else ""
+        return (f"{llm}{schema}-k{self.top_k}-t{self.merge_threshold}-mt{self.max_merged_turns}-"
+                f"{self.segmenter.config.key()}")
 
     # ---- the two steps ------------------------------------------------------------------
     def reflect(self, session: Session, speakers: list[str] | None = None) -> list[Memory]:
@@ -127,12 +132,18 @@ class ProspectiveReflector:
         own = replace(session, turns=[t for t in session.turns if t.speaker in speakers]) if speakers else session
         if self.llm is None:
             return self._segment(own)
-        from rmm.prompts import PromptParseError, extraction_messages, parse_extraction
+        from rmm.prompts import (
+            EXTRACTION_SCHEMA,
+            PromptParseError,
+            extraction_messages,
+            parse_extraction,
+        )
 
         speakers = speakers or list(dict.fromkeys(t.speaker for t in session.turns))
         valid = [t.id for t in session.turns]
         try:
             replies = self.llm.generate([extraction_messages(session, s) for s in speakers],
+                                        json_schema=EXTRACTION_SCHEMA if self.structured else None,
                                         max_tokens=self.max_tokens)
             self.stats.llm_calls += len(speakers)
         except RmmError as exc:

