@@ -358,7 +358,11 @@ class Encoder:
         if self.padding_side == "left" and "position_ids" in self._forward_params:
             # positions count real tokens only, so a left-padded text sees the positions it would alone
             inputs["position_ids"] = (inputs["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)
-        return {key: value.to(self.device, non_blocking=True) for key, value in inputs.items()}
+        if self.device.type != "cuda":
+            return inputs
+        # page-locked host memory makes the copy truly asynchronous: the next batch is padded on
+        # the CPU while this one still runs on the GPU
+        return {key: value.pin_memory().to(self.device, non_blocking=True) for key, value in inputs.items()}
 
     def embed(self, inputs: dict[str, Tensor]) -> Tensor:
         """Model inputs → sentence embeddings on the device, float32; differentiable (training uses it)."""
