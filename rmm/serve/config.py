@@ -1,0 +1,312 @@
+"""The server's settings: one dataclass tree, read from YAML, overridable from the command line.
+
+Every value is checked when the config is built, so a typo in `serve.yaml` stops the server at
+start-up with a message naming the key, never as a confusing failure under load. API keys may
+live in the YAML, in an environment variable or in a key file, so that secrets need not sit in a
+file that is committed next to the rest of the configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rmm.errors import RmmError
+from rmm.learner import LearnerConfig
+
+__all__ = [
+    "DEFAULT_KEYS_ENV",
+    "AuthConfig",
+    "BatchingConfig",
+    "ConfigError",
+    "LimitsConfig",
+    "ServeConfig",
+    "load_config",
+]
+
+DEFAULT_KEYS_ENV = "RMM_API_KEYS"
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_MIN_KEY_LENGTH = 8
+
+
+class ConfigError(RmmError, ValueError):
+    """A server setting that is missing, unknown, of the wrong type or out of range."""
+
+
+@dataclass
+class BatchingConfig:
+    """Dynamic micro-batching of retrieve queries (coalesced across concurrent requests)."""
+
+    enabled: bool = True
+    max_batch: int = 64  # queries per batched call
+    max_wait_ms: float = 5.0  # how long the first query of a batch may wait for company
+
+    def validate(self) -> None:
+        if self.max_batch < 1:
+            raise ConfigError(f"batching.max_batch must be >= 1, got {self.max_batch}")
+        if self.max_wait_ms < 0:
+            raise ConfigError(f"batching.max_wait_ms must be >= 0, got {self.max_wait_ms}")
+
+
+@dataclass
+class AuthConfig:
+    """API keys → tenants. `keys` maps a key to its tenant; more come from `keys_env` and `key_file`.
+
+    The environment variable holds `KEY=TENANT` pairs separated by commas; the key file holds one
+    `KEY TENANT` pair per line (blank lines and `#` comments ignored).
+    """
+
+    keys: dict[str, str] = field(default_factory=dict)
+    keys_env: str = DEFAULT_KEYS_ENV
+    key_file: str | None = None
+
+    def resolve(self, environ: typing.Mapping[str, str] | None = None) -> dict[str, str]:
+        """Every configured key → tenant, from all three sources; clear errors on bad entries."""
+        environ = os.environ if environ is None else environ
+        out: dict[str, str] = {}
+
+        def put(key: str, tenant: str, where: str) -> None:
+            key, tenant = key.strip(), tenant.strip()
+            if len(key) < _MIN_KEY_LENGTH:
+                raise ConfigError(f"{where}: API keys must have at least {_MIN_KEY_LENGTH} characters")
+            if not _TENANT.match(tenant):
+                raise ConfigError(
+                    f"{where}: tenant {tenant!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
+                )
+            if key in out and out[key] != tenant:
+                raise ConfigError(f"{where}: one API key is given to two tenants ({out[key]!r} and {tenant!r})")
+            out[key] = tenant
+
+        for key, tenant in self.keys.items():
+            put(str(key), str(tenant), "auth.keys")
+        raw = environ.get(self.keys_env, "") if self.keys_env else ""
+        for n, pair in enumerate(p for p in raw.split(",") if p.strip()):
+            key, sep, tenant = pair.partition("=")
+            if not sep:
+                raise ConfigError(f"${self.keys_env} entry {n + 1} is not KEY=TENANT")
+            put(key, tenant, f"${self.keys_env} entry {n + 1}")
+        if self.key_file:
+            path = Path(self.key_file).expanduser()
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except OSError as exc:
+                raise ConfigError(f"auth.key_file {path} cannot be read: {exc}") from exc
+            for n, line in enumerate(lines, start=1):
+                line = line.split("#", 1)[0].strip()
+                if not line:
+                    continue
+                parts = line.split()
+                if len(parts) != 2:
+                    raise ConfigError(f"{path}:{n}: expected 'KEY TENANT', got {len(parts)} fields")
+                put(parts[0], parts[1], f"{path}:{n}")
+        return out
+
+
+@dataclass
+class LimitsConfig:
+    max_request_bytes: int = 1 << 20
+    max_queries: int = 256  # queries per retrieve request
+    max_memories: int = 1000  # memories or turns per write request
+    max_k: int = 200
+    max_text_chars: int = 20_000
+
+    def validate(self) -> None:
+        for name in ("max_request_bytes", "max_queries", "max_memories", "max_k", "max_text_chars"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"limits.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ServeConfig:
+    """Everything `rmm serve` needs; `configs/serve.yaml` documents each field."""
+
+    bank: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8080
+    encoder: str = "minilm"
+    index_backend: str = "torch"
+    device: str = "auto"
+    torch_threads: int | None = None  # intra-op CPU threads (None: torch's default, one per core)
+    k: int = 20
+    m: int = 5
+    tau: float = 0.5
+    explore: bool = True
+    scope: Literal["topk", "bank"] = "topk"
+    reranker_per: Literal["bank", "tenant", "user"] = "bank"
+    learner: dict[str, Any] = field(default_factory=dict)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    selection_ttl_s: float = 3600.0
+    checkpoint_interval_s: float = 300.0
+    llm: str | None = None
+    reflection_speakers_exclude: list[str] = field(default_factory=lambda: ["assistant"])
+    seed: int = 0
+    log_level: str = "info"
+
+    def validate(self) -> ServeConfig:
+        if not self.bank:
+            raise ConfigError("bank: a bank folder is required (rmm serve --bank PATH, or `bank:` in the config)")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ConfigError(f"torch_threads must be >= 1 or null, got {self.torch_threads}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.k < 1 or self.m < 1 or self.m > self.k:
+            raise ConfigError(f"need 1 <= m <= k, got k={self.k}, m={self.m}")
+        if not self.tau > 0:
+            raise ConfigError(f"tau must be > 0, got {self.tau}")
+        if self.scope not in ("topk", "bank"):
+            raise ConfigError(f"scope must be 'topk' or 'bank', got {self.scope!r}")
+        if self.reranker_per not in ("bank", "tenant", "user"):
+            raise ConfigError(f"reranker_per must be 'bank', 'tenant' or 'user', got {self.reranker_per!r}")
+        if self.selection_ttl_s <= 0:
+            raise ConfigError(f"selection_ttl_s must be > 0, got {self.selection_ttl_s}")
+        if self.checkpoint_interval_s < 0:
+            raise ConfigError(f"checkpoint_interval_s must be >= 0 (0 = only on shutdown), got {self.checkpoint_interval_s}")
+        from rmm.index import BACKENDS
+
+        if self.index_backend not in BACKENDS:
+            raise ConfigError(f"index_backend {self.index_backend!r} is not one of {list(BACKENDS)}")
+        if self.k > self.limits.max_k:
+            raise ConfigError(f"k={self.k} exceeds limits.max_k={self.limits.max_k}")
+        self.batching.validate()
+        self.limits.validate()
+        self.learner_config()  # raises ConfigError on a bad learner section
+        return self
+
+    def learner_config(self) -> LearnerConfig:
+        known = {f.name for f in dataclasses.fields(LearnerConfig)}
+        unknown = sorted(set(self.learner) - known)
+        if unknown:
+            raise ConfigError(f"learner: unknown key(s) {unknown}; known: {sorted(known)}")
+        try:
+            return LearnerConfig(**{"tau": self.tau, **self.learner})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"learner: {exc}") from exc
+
+    @property
+    def bank_path(self) -> Path:
+        return Path(self.bank).expanduser()
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                environ: typing.Mapping[str, str] | None = None) -> ServeConfig:
+    """The YAML file's settings (if any), then `overrides` (dotted keys, e.g. `batching.max_batch`).
+
+    `None` values in `overrides` are skipped, so argparse defaults of None leave the file's value.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        file = Path(path).expanduser()
+        try:
+            loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read server config {file}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"server config {file} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"server config {file} must be a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        target = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            child = target.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"cannot set {dotted}: {part} is not a section")
+            target = child
+        target[leaf] = value
+    config = _build(ServeConfig, data, "")
+    config.validate()
+    config.auth.resolve(environ)  # fail at start-up on a bad key source, not at the first request
+    return config
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """A dataclass from a mapping: unknown keys and wrong types are `ConfigError`s naming the key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {[where + k for k in unknown]}; known: {[where + n for n in names]}")
+    values = {name: _coerce(hints[name], data[name], f"{where}{name}") for name in names if name in data}
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError("; ".join(errors))
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where} must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {type(value).__name__}")
+        return dict(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {type(value).__name__}")
+        return [_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{where} must be an integer, got {value!r}") from None
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return str(value)
+    if hint is Any:
+        return value
+    raise ConfigError(f"{where}: unsupported setting type {hint!r}")
+
+
+def key_digest(key: str) -> str:
+    """Keys are looked up by digest, so the lookup's timing says nothing about stored keys."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def valid_tenant(name: str) -> bool:
+    return bool(_TENANT.match(name))

@@ -1,0 +1,49 @@
+"""The server's own typed errors; the HTTP layer maps each to one status code.
+
+Unknown and foreign ids are the same error on purpose: a tenant asking for another tenant's user
+or selection learns nothing about whether it exists.
+"""
+
+from __future__ import annotations
+
+from rmm.errors import RmmError
+
+__all__ = [
+    "BadRequestError",
+    "NoOpenSessionError",
+    "SelectionExpiredError",
+    "SelectionUsedError",
+    "UnknownJobError",
+    "UnknownSelectionError",
+]
+
+
+class UnknownSelectionError(RmmError, KeyError):
+    """No pending selection with that id for this tenant (never made, purged, or another tenant's)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown selection"
+
+
+class SelectionExpiredError(RmmError):
+    """The selection waited longer than `selection_ttl_s` for its feedback."""
+
+
+class SelectionUsedError(RmmError):
+    """Feedback for this selection was already given; a selection is rewarded once."""
+
+
+class UnknownJobError(RmmError, KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown job"
+
+
+class NoOpenSessionError(RmmError, KeyError):
+    """End-session for a user with no turns posted since their last session ended."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "no open session"
+
+
+class BadRequestError(RmmError, ValueError):
+    """Well-formed JSON that asks for something impossible (e.g. citing index 7 of 5 shown)."""

@@ -1,0 +1,170 @@
+"""Background jobs (prospective reflection of ended sessions), durable and queryable.
+
+Reflection takes seconds (an LLM call per speaker, or the fallback's segmentation), far too long
+to hold an HTTP request open, so ending a session records a job and returns its id. Jobs are
+rows in `jobs.sqlite` beside the bank, so a session handed over is not lost when the server
+stops: queued jobs, and jobs that were running when it died, run again at the next start.
+One worker thread runs them in order (the reflector is not built for concurrent use, and a
+user's sessions must be reflected in the order they happened).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rmm.serve.errors import UnknownJobError
+
+__all__ = ["Job", "JobQueue", "JobStatus"]
+
+log = logging.getLogger(__name__)
+
+JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id          TEXT PRIMARY KEY,
+    tenant      TEXT NOT NULL,
+    user_id     TEXT NOT NULL,
+    kind        TEXT NOT NULL,
+    payload     TEXT NOT NULL,
+    status      TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    started_at  REAL,
+    finished_at REAL,
+    result      TEXT,
+    error       TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
+CREATE INDEX IF NOT EXISTS jobs_user ON jobs(user_id);
+"""
+
+
+@dataclass
+class Job:
+    id: str
+    tenant: str
+    user_id: str  # tenant-scoped
+    kind: str
+    status: JobStatus
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+Handler = Callable[[Job, dict[str, Any]], dict[str, Any]]
+
+
+class JobQueue:
+    """`submit` commits the job (synchronous=FULL: an acknowledged session is never lost) and
+    wakes the worker; `handler(job, payload) -> result` does the work."""
+
+    def __init__(self, path: str | Path, handler: Handler) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.handler = handler
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(str(self.path), timeout=30.0, check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.executescript(_SCHEMA)
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the worker, re-queueing what an earlier run left queued or half-done."""
+        if self._thread is not None:
+            return
+        with self._lock:
+            leftover = [r[0] for r in self._conn.execute(
+                "SELECT id FROM jobs WHERE status IN ('queued', 'running') ORDER BY created_at")]
+            self._conn.execute("UPDATE jobs SET status='queued', started_at=NULL WHERE status='running'")
+        if leftover:
+            log.info("resuming %d reflection job(s) left by an earlier run", len(leftover))
+        for job_id in leftover:
+            self._queue.put(job_id)
+        self._thread = threading.Thread(target=self._work, name="rmm-jobs", daemon=True)
+        self._thread.start()
+
+    def submit(self, tenant: str, user_id: str, kind: str, payload: dict[str, Any]) -> Job:
+        job = Job(id=uuid.uuid4().hex, tenant=tenant, user_id=user_id, kind=kind, status="queued",
+                  created_at=time.time())
+        with self._lock:
+            self._conn.execute(
+                "INSERT INTO jobs(id, tenant, user_id, kind, payload, status, created_at) VALUES (?,?,?,?,?,?,?)",
+                (job.id, tenant, user_id, kind, json.dumps(payload), job.status, job.created_at),
+            )
+        self._queue.put(job.id)
+        return job
+
+    def get(self, tenant: str, job_id: str) -> Job:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT id, tenant, user_id, kind, status, created_at, started_at, finished_at, result, error "
+                "FROM jobs WHERE id=?", (job_id,)).fetchone()
+        if row is None or row[1] != tenant:
+            raise UnknownJobError(f"unknown job id {job_id!r} for this API key's tenant")
+        return Job(id=row[0], tenant=row[1], user_id=row[2], kind=row[3], status=row[4], created_at=row[5],
+                   started_at=row[6], finished_at=row[7], result=json.loads(row[8]) if row[8] else {}, error=row[9])
+
+    def cancel_user(self, user_id: str) -> int:
+        """Cancel the user's queued jobs (their user is being deleted)."""
+        with self._lock:
+            return self._conn.execute(
+                "UPDATE jobs SET status='cancelled', finished_at=? WHERE user_id=? AND status='queued'",
+                (time.time(), user_id)).rowcount
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {status: n for status, n in self._conn.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status")}
+
+    def _work(self) -> None:
+        while True:
+            job_id = self._queue.get()
+            if job_id is None:
+                return
+            with self._lock:
+                row = self._conn.execute("SELECT tenant, payload, status FROM jobs WHERE id=?", (job_id,)).fetchone()
+                if row is None or row[2] != "queued":
+                    continue  # cancelled meanwhile
+                started = time.time()
+                self._conn.execute("UPDATE jobs SET status='running', started_at=? WHERE id=?", (started, job_id))
+            try:
+                job = self.get(row[0], job_id)
+                result = self.handler(job, json.loads(row[1]))
+                status, error, result_text = "done", None, json.dumps(result)
+            except Exception as exc:  # a failed job is reported through its status, never lost silently
+                log.exception("job %s failed", job_id)
+                status, error, result_text = "failed", f"{type(exc).__name__}: {exc}", None
+            with self._lock:
+                self._conn.execute("UPDATE jobs SET status=?, finished_at=?, result=?, error=? WHERE id=?",
+                                   (status, time.time(), result_text, error, job_id))
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Let the running job finish (queued ones stay queued for the next start)."""
+        if self._thread is not None:
+            # Drop what is queued in memory; the rows stay 'queued' and resume at the next start.
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._queue.put(None)
+            self._thread.join(timeout)
+            if self._thread.is_alive():  # leave its connection open: the daemon thread dies with the process
+                log.warning("a reflection job was still running at shutdown; it will run again at the next start")
+                return
+            self._thread = None
+        with self._lock:
+            self._conn.close()

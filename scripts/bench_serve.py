@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""Benchmark `rmm serve`: N concurrent clients on loopback, micro-batching on vs off.
+
+Builds (once, cached) a turn-level bank of LoCoMo with the MiniLM preset, starts the server in a
+subprocess for each batching mode, and for each client count runs N concurrent clients that
+each send retrieve requests (one LoCoMo question for its own conversation, K=20, M=5) back to
+back for `--duration` seconds. Prints throughput, p50/p99 latency, mean server-side batch size
+and errors per configuration, then the batching-on / batching-off throughput ratio. Exits 1 if
+any request failed.
+
+    python scripts/bench_serve.py                                # 1, 8, 32 clients, 8 s each
+    python scripts/bench_serve.py --clients 1 16 64 128 --duration 20 --max-batch 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+TENANT, KEY = "bench", "bench-key-0123456789"
+
+
+@dataclass
+class Row:
+    clients: int
+    batching: str
+    max_batch: int
+    max_wait_ms: float
+    requests: int
+    req_per_s: float
+    p50_ms: float
+    p99_ms: float
+    mean_batch: float
+    errors: int
+
+
+def build_bank(bank: Path, data_dir: str | None, conversations: int | None) -> list[tuple[str, str]]:
+    """The LoCoMo turn bank under tenant `bench` (built once); returns (user, question) pairs."""
+    from rmm.bank import MemoryBank
+    from rmm.corpus import documents
+    from rmm.data import load_dataset
+    from rmm.encoders import load_encoder
+    from rmm.serve.service import scoped
+
+    dataset = load_dataset("locomo", data_dir=data_dir)
+    users = dataset.users[:conversations] if conversations else dataset.users
+    questions = [(q.user_id, q.text) for q in dataset.questions if q.user_id in users]
+    with MemoryBank(bank, load_encoder("minilm", device="cpu"), device="cpu") as b:
+        for user in users:
+            docs = documents(dataset, user, "turn")
+            uid = scoped(TENANT, user)
+            if b.store.has_user(uid) and b.store.count(uid) == len(docs):
+                continue
+            if b.store.has_user(uid):
+                b.delete_user(uid)
+            t0 = time.perf_counter()
+            for d in docs:
+                d.user_id = uid
+            b.add(uid, docs)
+            print(f"  encoded {len(docs)} turns of {user} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return questions
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(bank: Path, workdir: Path, batching: bool, max_batch: int, max_wait_ms: float,
+                 device: str, threads: int | None) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    config = workdir / f"serve-{'on' if batching else 'off'}.json"  # JSON is valid YAML
+    config.write_text(json.dumps({
+        "auth": {"keys": {KEY: TENANT}}, "device": device, "log_level": "warning", "torch_threads": threads,
+        "batching": {"enabled": batching, "max_batch": max_batch, "max_wait_ms": max_wait_ms},
+    }))
+    log = workdir / f"server-{'on' if batching else 'off'}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "rmm.cli", "serve", "--bank", str(bank), "--config", str(config),
+                             "--port", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}; see {log}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url, log
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"server did not become healthy in 180 s; see {log}")
+        time.sleep(0.2)
+
+
+def batch_totals(url: str) -> tuple[float, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = re.search(r"^rmm_batch_size_sum ([0-9.e+]+)$", text, re.MULTILINE)
+    count = re.search(r"^rmm_batch_size_count ([0-9.e+]+)$", text, re.MULTILINE)
+    return (float(total.group(1)) if total else 0.0), (float(count.group(1)) if count else 0.0)
+
+
+async def load(url: str, questions: list[tuple[str, str]], clients: int, duration: float, k: int, m: int,
+               seed: int) -> tuple[list[float], int, int, float]:
+    """N clients, each sending requests back to back until the time is up."""
+    latencies: list[float] = []
+    errors = 0
+    sent = 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, limits=limits,
+                                 timeout=60) as http:
+        async def client(n: int) -> None:
+            nonlocal errors, sent
+            rng = random.Random(seed * 1000 + n)
+            while time.perf_counter() < stop:
+                user, question = rng.choice(questions)
+                t0 = time.perf_counter()
+                try:
+                    response = await http.post("/v1/retrieve", json={"queries": [
+                        {"user": user, "query": question, "k": k, "m": m}]})
+                    ok = response.status_code == 200 and len(response.json()["results"][0]["memories"]) == m
+                except httpx.HTTPError:
+                    ok = False
+                sent += 1
+                if ok:
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+
+        started = time.perf_counter()
+        stop = started + duration
+        await asyncio.gather(*(client(n) for n in range(clients)))
+        elapsed = time.perf_counter() - started
+    return latencies, errors, sent, elapsed
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds of load per configuration")
+    parser.add_argument("--warmup", type=float, default=1.5, help="seconds of unmeasured load before each")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    parser.add_argument("--k", type=int, default=20)
+    parser.add_argument("--m", type=int, default=5)
+    parser.add_argument("--conversations", type=int, help="use only the first N LoCoMo conversations")
+    parser.add_argument("--bank", help="bank folder (default: <cache>/bench-serve/locomo-turn-minilm)")
+    parser.add_argument("--data-dir", help="benchmark data (default: $RMM_DATA_DIR / the shared data folder)")
+    parser.add_argument("--device", default="cpu", help="server device (auto | cpu | cuda)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="server torch threads (default 1: the clients need the other core of a 2-core box; "
+                             "0 = torch's default)")
+    parser.add_argument("--modes", nargs="+", choices=("on", "off"), default=["on", "off"])
+    parser.add_argument("--json", help="write the rows as JSON")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from rmm.paths import cache_dir
+
+    bank = Path(args.bank) if args.bank else cache_dir() / "bench-serve" / "locomo-turn-minilm"
+    print(f"bank {bank} (LoCoMo turns, MiniLM); server device {args.device}, torch threads "
+          f"{args.threads or 'default'}; {os.cpu_count()} CPUs", flush=True)
+    t0 = time.perf_counter()
+    pairs = build_bank(bank, args.data_dir, args.conversations)
+    print(f"  ready in {time.perf_counter() - t0:.1f} s; {len(pairs)} questions", flush=True)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="rmm-bench-serve-") as tmp:
+        for mode in args.modes:
+            batching = mode == "on"
+            proc, url, _log = start_server(bank, Path(tmp), batching, args.max_batch, args.max_wait_ms, args.device,
+                                          args.threads or None)
+            try:
+                for clients in args.clients:
+                    asyncio.run(load(url, pairs, clients, args.warmup, args.k, args.m, args.seed + 99))
+                    before = batch_totals(url)
+                    latencies, errors, sent, elapsed = asyncio.run(
+                        load(url, pairs, clients, args.duration, args.k, args.m, args.seed))
+                    after = batch_totals(url)
+                    batches = after[1] - before[1]
+                    row = Row(clients=clients, batching=mode, max_batch=args.max_batch if batching else 1,
+                              max_wait_ms=args.max_wait_ms if batching else 0.0, requests=sent,
+                              req_per_s=len(latencies) / elapsed, p50_ms=1000 * percentile(latencies, 0.5),
+                              p99_ms=1000 * percentile(latencies, 0.99),
+                              mean_batch=(after[0] - before[0]) / batches if batches else float("nan"),
+                              errors=errors)
+                    rows.append(row)
+                    print(f"  batching {mode:3s} clients {clients:3d}: {row.req_per_s:7.1f} req/s  "
+                          f"p50 {row.p50_ms:7.1f} ms  p99 {row.p99_ms:7.1f} ms  batch {row.mean_batch:5.1f}  "
+                          f"errors {errors}", flush=True)
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+    print()
+    print("| clients | batching | max_batch | max_wait_ms | req/s | p50 ms | p99 ms | mean batch | errors |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r.clients} | {r.batching} | {r.max_batch} | {r.max_wait_ms:g} | {r.req_per_s:.1f} | "
+              f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.mean_batch:.1f} | {r.errors} |")
+    on = {r.clients: r for r in rows if r.batching == "on"}
+    off = {r.clients: r for r in rows if r.batching == "off"}
+    common = [c for c in args.clients if c in on and c in off]
+    if common:
+        print()
+        for c in common:
+            print(f"clients {c:3d}: batching on / off throughput = {on[c].req_per_s / off[c].req_per_s:.2f}x, "
+                  f"p99 {on[c].p99_ms:.1f} vs {off[c].p99_ms:.1f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        print(f"wrote {args.json}")
+    failed = sum(r.errors for r in rows)
+    if failed:
+        print(f"FAILED: {failed} request(s) failed", file=sys.stderr)
+        return 1
+    print("all requests succeeded")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Server settings: YAML + overrides, key sources, and clear errors for every kind of mistake."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from rmm.serve.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_documented_yaml_loads_with_overrides() -> None:
+    config = load_config(REPO / "configs" / "serve.yaml", {"bank": "/tmp/b", "port": 9001, "batching.max_batch": 8,
+                                                           "batching.enabled": None}, environ={})
+    assert config.bank == "/tmp/b" and config.port == 9001
+    assert config.batching.max_batch == 8 and config.batching.enabled  # None leaves the file's value
+    assert config.learner_config().batch_size == 4 and config.k == 20 and config.m == 5
+
+
+def test_api_keys_from_yaml_env_and_key_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("# tenant keys\nfile-key-0001 filetenant\n\nfile-key-0002   other  # trailing comment\n")
+    config = load_config(None, {"bank": "b", "auth.keys": {"yaml-key-0001": "yamltenant"}, "auth.key_file": str(key_file)},
+                         environ={"RMM_API_KEYS": "env-key-0001=envtenant, env-key-0002=envtenant"})
+    keys = config.auth.resolve({"RMM_API_KEYS": "env-key-0001=envtenant, env-key-0002=envtenant"})
+    assert keys == {"yaml-key-0001": "yamltenant", "env-key-0001": "envtenant", "env-key-0002": "envtenant",
+                    "file-key-0001": "filetenant", "file-key-0002": "other"}
+
+
+@pytest.mark.parametrize("overrides, environ, message", [
+    ({}, {}, "bank: a bank folder is required"),
+    ({"bank": "b", "colour": "red"}, {}, "unknown setting(s) ['colour']"),
+    ({"bank": "b", "batching.max_btach": 3}, {}, "unknown setting(s) ['batching.max_btach']"),
+    ({"bank": "b", "port": "eighty"}, {}, "port must be an integer"),
+    ({"bank": "b", "explore": "maybe"}, {}, "explore must be true or false"),
+    ({"bank": "b", "m": 30}, {}, "need 1 <= m <= k"),
+    ({"bank": "b", "scope": "world"}, {}, "scope must be one of"),
+    ({"bank": "b", "index_backend": "annoy"}, {}, "index_backend 'annoy' is not one of"),
+    ({"bank": "b", "batching.max_batch": 0}, {}, "batching.max_batch must be >= 1"),
+    ({"bank": "b", "learner": {"lr": -1}}, {}, "learner: lr must be > 0"),
+    ({"bank": "b", "learner": {"speed": 1}}, {}, "learner: unknown key(s) ['speed']"),
+    ({"bank": "b", "selection_ttl_s": 0}, {}, "selection_ttl_s must be > 0"),
+    ({"bank": "b", "auth.keys": {"short": "t"}}, {}, "at least 8 characters"),
+    ({"bank": "b", "auth.keys": {"long-enough-key": "bad:tenant"}}, {}, "tenant 'bad:tenant' must be"),
+    ({"bank": "b"}, {"RMM_API_KEYS": "no-equals-sign"}, "$RMM_API_KEYS entry 1 is not KEY=TENANT"),
+    ({"bank": "b", "auth.key_file": "/nonexistent/keys"}, {}, "auth.key_file /nonexistent/keys cannot be read"),
+])
+def test_mistakes_are_config_errors_naming_the_setting(overrides: dict, environ: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides, environ=environ)
+    assert message in str(error.value)
+
+
+def test_a_bad_yaml_file_is_a_clear_error(tmp_path: Path) -> None:
+    broken = tmp_path / "serve.yaml"
+    broken.write_text("port: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken, {"bank": "b"}, environ={})
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping at the top level"):
+        load_config(listing, {"bank": "b"}, environ={})
+    with pytest.raises(ConfigError, match="cannot read server config"):
+        load_config(tmp_path / "missing.yaml", {"bank": "b"}, environ={})
+
+
+def test_rmm_serve_is_registered_and_refuses_to_run_without_keys(tmp_path: Path, monkeypatch) -> None:
+    from rmm.cli import build_parser
+    from rmm.serve.cli import run
+
+    monkeypatch.delenv("RMM_API_KEYS", raising=False)
+    args = build_parser().parse_args(["serve", "--bank", str(tmp_path / "bank"), "--max-batch", "16", "--no-batching"])
+    assert args.func is run and args.max_batch == 16 and args.no_batching
+    with pytest.raises(ConfigError, match="no API keys configured"):
+        run(argparse.Namespace(**{**vars(args), "dev_key": False}))
