@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+
+from rmm.errors import RmmError
+from rmm.serve.process import start_server_process
 
 TENANT, KEY = "bench", "bench-key-0123456789"
 
@@ -74,38 +76,19 @@ def build_bank(bank: Path, data_dir: str | None, conversations: int | None) -> l
     return questions
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(bank: Path, workdir: Path, batching: bool, max_batch: int, max_wait_ms: float,
                  device: str, threads: int | None) -> tuple[subprocess.Popen, str, Path]:
-    port = free_port()
     config = workdir / f"serve-{'on' if batching else 'off'}.json"  # JSON is valid YAML
     config.write_text(json.dumps({
         "auth": {"keys": {KEY: TENANT}}, "device": device, "log_level": "warning", "torch_threads": threads,
         "batching": {"enabled": batching, "max_batch": max_batch, "max_wait_ms": max_wait_ms},
     }))
     log = workdir / f"server-{'on' if batching else 'off'}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "rmm.cli", "serve", "--bank", str(bank), "--config", str(config),
-                             "--port", str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"server did not become healthy in 180 s; see {log}")
-        time.sleep(0.2)
+    try:
+        proc, url = start_server_process(bank, config, log)
+    except RmmError as error:
+        raise SystemExit(str(error)) from error
+    return proc, url, log
 
 
 def batch_totals(url: str) -> tuple[float, float]:

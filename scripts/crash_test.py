@@ -23,7 +23,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,35 +32,18 @@ from pathlib import Path
 
 import httpx
 
+from rmm.errors import RmmError
+from rmm.serve.process import start_server_process
+
 KEY, TENANT = "crash-test-key-0123", "crash"
 WORDS = ["garden", "river", "violin", "pottery", "marathon", "chess", "lantern", "harbor", "orchard", "comet", "sailing", "bakery", "museum", "glacier", "falcon", "canyon", "meadow", "bicycle", "telescope", "library", "volcano", "compass", "ember", "quartz"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(bank: Path, config: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rmm.cli", "serve", "--bank", str(bank), "--config", str(config),
-                             "--port", str(port)], stdout=log.open("a"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"server did not become healthy in 180 s; see {log}")
-        time.sleep(0.1)
+    try:
+        return start_server_process(bank, config, log)
+    except RmmError as error:
+        raise SystemExit(str(error)) from error
 
 
 def sentence(rng: random.Random, n: int) -> str:
