@@ -154,15 +154,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from rmm.bank import MemoryBank
     from rmm.encoders import load_encoder
 
-    if args.frontend != "direct":
-        raise RmmError(f"front end {args.frontend!r} is not available; use direct")
-    llm = _load_llm(args.llm)
+    llm = _load_llm(args.llm, **_llm_options(args))
     if llm.name == "simulated":
         raise RmmError("the simulated LLM writes no answers (it only cites, for benchmarks with gold evidence); "
                        "chat with hf:PATH, openai:URL@MODEL or vllm:PATH")
     bank = MemoryBank(args.bank, load_encoder(args.encoder, device=args.device), device=args.device)
     agent = Agent(bank, llm, k=args.k, m=args.m, tau=args.tau, learn=not args.no_learn, structured=args.structured,
                   per_user=args.per_user, store_turns=args.store_turns)
+    goal = _goal_frontend(agent, args) if args.frontend == "goal" else None
     console.print(f"[bold]rmm chat[/bold] · user {args.user} · {llm.name} · bank {args.bank}\n"
                   "[dim]/end ends the session (prospective reflection) · /memories lists memories · "
                   "/quit saves and exits[/dim]")
@@ -182,6 +181,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 continue
             if line == "/memories":
                 _print_memories(bank, args.user)
+                continue
+            if goal is not None:
+                _goal_turn(goal, args, line)
                 continue
             response = agent.respond(args.user, line)
             console.print(f"[bold]assistant>[/bold] {escape(response.answer)}", highlight=False)
@@ -211,13 +213,106 @@ def _print_memories(bank, user: str) -> None:
                       highlight=False)
 
 
+# -- the goal front end (GOAL-MEM) ---------------------------------------------------------------
+GOAL_LLM_NOTE = ("the goal front end needs an LLM that writes text (hf:PATH, openai:URL@MODEL, vllm:PATH); "
+                 "the simulated LLM only cites and cannot decompose")
+
+
+def _goal_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--b-max", type=int, default=3, help="goal front end: decompositions tried (paper: 3)")
+    p.add_argument("--d-max", type=int, default=5, help="goal front end: refinement depth (paper: 5)")
+    p.add_argument("--budget", type=int, default=60, help="goal front end: distinct memories per question (paper: 60)")
+    p.add_argument("--trace-json", help="goal front end: append each question's trace to this JSON-lines file")
+    p.add_argument("--llm-threads", type=int, help="CPU threads for an hf: model (1 is fastest on a busy machine)")
+
+
+def _llm_options(args: argparse.Namespace) -> dict[str, Any]:
+    threads = getattr(args, "llm_threads", None)
+    return {"threads": threads} if threads and args.llm.startswith("hf:") else {}
+
+
+def _goal_config(args: argparse.Namespace, **overrides: Any):
+    from rmm.frontends.goal import GoalConfig
+
+    try:
+        return GoalConfig(b_max=args.b_max, d_max=args.d_max, budget=args.budget, **overrides)
+    except ValueError as error:
+        raise RmmError(f"goal front end: {error}") from error
+
+
+def _goal_frontend(agent, args: argparse.Namespace):
+    from rmm.frontends.goal import GoalFrontend
+
+    try:
+        return GoalFrontend(agent, _goal_config(args))
+    except ValueError as error:
+        raise RmmError(str(error)) from error
+
+
+def _append_trace(path: str | None, trace: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(trace) + "\n")
+
+
+def _goal_turn(goal, args: argparse.Namespace, line: str) -> None:
+    """One chat message through the goal front end: the answer, what it cites, and the trace."""
+    from rmm.frontends.trace import print_trace
+
+    response = goal.respond(args.user, line)
+    console.print(f"[bold]assistant>[/bold] {escape(response.answer)}", highlight=False)
+    for memory in response.cited:
+        console.print(f"  [dim]cited:[/dim] {escape(_short(memory.text))}", highlight=False)
+    print_trace(response.trace, console, show_memories=args.verbose)
+    _append_trace(args.trace_json, response.trace.to_json())
+
+
+def cmd_eval_goal(args: argparse.Namespace) -> int:
+    from rmm.corpus import open_retriever
+    from rmm.eval.goal_recall import evaluate_goal_recall
+    from rmm.frontends.trace import print_trace
+
+    dataset = _load(args)
+    llm = _load_llm(args.llm, **_llm_options(args))
+    if llm.name.startswith("simulated"):
+        raise RmmError(GOAL_LLM_NOTE)
+    opened = open_retriever(args.retriever, dataset, "turn", cache=args.cache_dir, device=args.device,
+                            batch_size=args.batch_size)
+    if opened.encoder is None:
+        raise RmmError(f"the reranker needs a dense retriever; {args.retriever!r} has none")
+
+    def show(question, trace) -> None:
+        if args.show_trace:
+            print_trace(trace, console)
+        _append_trace(args.trace_json, trace.to_json())
+
+    report = evaluate_goal_recall(dataset, opened.retriever, llm, category=args.category, limit=args.limit, k=args.k,
+                                  m=args.m, config=_goal_config(args), answer=args.answer, on_trace=show)
+    table = Table(title=f"{report.dataset} category {report.category} · gold-evidence recall at equal memory budget "
+                        f"· {escape(report.llm)}",
+                  caption="goal = union of the memories the goal front end's subgoal queries retrieved; direct = one "
+                          "query with the question, same number of memories. Cost per question.")
+    for column in ("n", "recall goal", "recall direct", "memories", "grounded", "LLM calls", "prompt tok",
+                   "completion tok", "LLM s"):
+        table.add_column(column, justify="right")
+    table.add_row(str(report.n), _fmt(report.recall_goal), _fmt(report.recall_direct),
+                  f"{report.memories_per_question:.1f}", _fmt(report.grounded), f"{report.llm_calls:.1f}",
+                  f"{report.prompt_tokens:.0f}", f"{report.completion_tokens:.0f}", f"{report.seconds:.1f}")
+    console.print(table)
+    _write_json(args.json, report.to_json())
+    return 0
+
+
 # -- rmm eval-qa ----------------------------------------------------------------------------------
 def cmd_eval_qa(args: argparse.Namespace) -> int:
     from rmm.corpus import open_retriever
     from rmm.eval.qa import evaluate_qa
 
     dataset = _load(args)
-    llm = _load_llm(args.llm)
+    llm = _load_llm(args.llm, **_llm_options(args))
+    if args.frontend == "goal" and llm.name.startswith("simulated"):
+        raise RmmError(GOAL_LLM_NOTE)
     judge = _load_llm(args.judge_llm) if args.judge_llm else llm
     opened = open_retriever(args.retriever, dataset, args.granularity, cache=args.cache_dir, device=args.device,
                             batch_size=args.batch_size, llm=llm if args.granularity == "topic" and
@@ -225,7 +320,11 @@ def cmd_eval_qa(args: argparse.Namespace) -> int:
     if opened.encoder is None:
         raise RmmError(f"the agent's reranker needs a dense retriever; {args.retriever!r} has none")
     report = evaluate_qa(dataset, opened.retriever, llm, judge, granularity=args.granularity, limit=args.limit,
-                         k=args.k, m=args.m)
+                         k=args.k, m=args.m, frontend=args.frontend,
+                         goal_config=_goal_config(args) if args.frontend == "goal" else None)
+    for row in report.rows:
+        if "trace" in row:
+            _append_trace(args.trace_json, row["trace"])
     _print_qa(report)
     _write_json(args.json, report.to_json())
     return 0
@@ -233,7 +332,8 @@ def cmd_eval_qa(args: argparse.Namespace) -> int:
 
 def _print_qa(report) -> None:
     simulated = report.simulated
-    title = f"{report.dataset} QA through the agent · {report.llm} · {report.granularity} memories"
+    title = (f"{report.dataset} QA through the agent · {report.llm} · {report.granularity} memories"
+             + (" · goal front end (GOAL-MEM)" if getattr(report, "frontend", "direct") == "goal" else ""))
     table = Table(title=title, caption="simulated generator: no answers, so no judge or F1 — citation and "
                                        "recall figures only" if simulated else "judge = LLM-judge accuracy (%)")
     columns = ["cited precision", "shown recall"] if simulated else ["judge", "F1", "cited precision", "shown recall"]
@@ -423,7 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user", required=True)
     p.add_argument("--llm", required=True, help="openai:URL@MODEL | hf:PATH | vllm:PATH | simulated")
     p.add_argument("--encoder", default=DEFAULT_RETRIEVER, help="encoder preset or folder (must match the bank)")
-    p.add_argument("--frontend", default="direct", help="query front end: direct (one query per message)")
+    p.add_argument("--frontend", default="direct", choices=("direct", "goal"),
+                   help="direct = one query per message; goal = GOAL-MEM goal decomposition, one query per "
+                        "subgoal, with a trace of every message (" + GOAL_LLM_NOTE + ")")
+    _goal_options(p)
     p.add_argument("--k", type=int, default=20)
     p.add_argument("--m", type=int, default=5)
     p.add_argument("--tau", type=float, default=0.5)
@@ -444,9 +547,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="answer at most N questions (in dataset order)")
     p.add_argument("--k", type=int, default=20)
     p.add_argument("--m", type=int, default=5)
+    p.add_argument("--frontend", default="direct", choices=("direct", "goal"),
+                   help="direct = the question as one query; goal = GOAL-MEM goal decomposition (needs a real LLM)")
+    _goal_options(p)
     p.add_argument("--json", help="write the numbers as JSON")
     _common(p)
     p.set_defaults(func=cmd_eval_qa)
+
+    p = sub.add_parser("eval-goal", help="GOAL-MEM retrieval: gold-evidence recall of the goal front end's memories "
+                                         "vs one direct query with the same number of memories")
+    p.add_argument("--dataset", default="locomo")
+    p.add_argument("--category", type=int, default=1, help="question category (LoCoMo 1 = multi-hop)")
+    p.add_argument("--llm", required=True, help="hf:PATH | openai:URL@MODEL | vllm:PATH (" + GOAL_LLM_NOTE + ")")
+    p.add_argument("--retriever", default=DEFAULT_RETRIEVER, help="dense encoder preset or folder (turn memories)")
+    p.add_argument("--limit", type=int, help="at most N questions (in dataset order)")
+    p.add_argument("--k", type=int, default=20, help="candidates per subgoal query")
+    p.add_argument("--m", type=int, default=5, help="memories selected per subgoal query")
+    _goal_options(p)
+    p.add_argument("--answer", action="store_true", help="also write the final answer (one more call per question)")
+    p.add_argument("--show-trace", action="store_true", help="print each question's trace")
+    p.add_argument("--json", help="write the numbers, per-question rows and traces as JSON")
+    _common(p)
+    p.set_defaults(func=cmd_eval_goal)
 
     p = sub.add_parser("train", help="train the reranker online from citations and report the lift")
     _train_options(p)
@@ -462,6 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
     from rmm.training.pretrain_cli import add_pretrain_command
 
     add_pretrain_command(sub)
+
+    from rmm.serve.cli import register as add_serve_command
+
+    add_serve_command(sub)
 
     p = sub.add_parser("llm", help="LLM helpers")
     llm_sub = p.add_subparsers(dest="llm_command", required=True)

@@ -88,8 +88,9 @@ def test_chat_on_empty_bank_and_unknown_frontend(tmp_path: Path, monkeypatch, ca
     assert main(["chat", "--bank", str(tmp_path / "b"), "--user", "zoe", "--llm", "x", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "no memories yet" in out and "Tell me more!" in out
-    assert main(["chat", "--bank", str(tmp_path / "b"), "--user", "zoe", "--llm", "x", "--frontend", "goal"]) == 2
-    capsys.readouterr()
+    with pytest.raises(SystemExit):  # argparse names the valid front ends
+        main(["chat", "--bank", str(tmp_path / "b"), "--user", "zoe", "--llm", "x", "--frontend", "sideways"])
+    assert "invalid choice: 'sideways'" in capsys.readouterr().err
 
 
 def test_chat_refuses_the_simulated_llm(tmp_path: Path, capsys) -> None:

@@ -18,6 +18,7 @@ from rmm.types import Dataset, Memory, Turn
 
 if TYPE_CHECKING:
     from rmm.bank import MemoryBank
+    from rmm.frontends.goal import GoalConfig
     from rmm.llm.base import LLM
 
 __all__ = ["QAReport", "evaluate_qa", "normalize_answer", "token_f1"]
@@ -60,6 +61,7 @@ class QAReport:
     by_category: dict[str, dict[str, Any]]
     rows: list[dict[str, Any]] = field(default_factory=list)
     reranker: dict[str, Any] = field(default_factory=dict)
+    frontend: str = "direct"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -80,24 +82,33 @@ class _GoldCitingAgent(Agent):
 
 def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None, *, granularity: str = "turn",
                 limit: int | None = None, k: int = 20, m: int = 5, progress: bool = True,
-                judge_batch: int = 16) -> QAReport:
+                judge_batch: int = 16, frontend: str = "direct", goal_config: GoalConfig | None = None) -> QAReport:
     """Answer each question through the agent (learning on), then judge and score per category.
 
     The bank's sessions are the dialogue so far; questions are not dialogue, so they are not
     appended to any session. Categories the benchmark reports separately stay out of `overall`.
+    `frontend="goal"` answers through GOAL-MEM goal decomposition (`rmm.frontends.goal`, with
+    `goal_config`); each row then carries the question's trace.
     """
+    if frontend not in ("direct", "goal"):
+        raise ValueError(f"frontend must be 'direct' or 'goal', got {frontend!r}")
     simulated = llm.name.startswith("simulated")
     questions = [q for q in dataset.questions if q.answer and not q.abstention][: limit or None]
     sessions = SessionLog(":memory:")
     agent_cls, extra = (_GoldCitingAgent, {"citer": SimulatedCiter()}) if simulated else (Agent, {})
     agent = agent_cls(bank, llm, k=k, m=m, learn=True, sessions=sessions, checkpoint_every=0, **extra)
+    respond = agent.respond
+    if frontend == "goal":
+        from rmm.frontends.goal import GoalFrontend
+
+        respond = GoalFrontend(agent, goal_config).respond
     scorer = GoldScorer.for_dataset(dataset, "turn")
     rows: list[dict[str, Any]] = []
     for q in tqdm(questions, desc="answering", unit="q", disable=not progress):
         gold = set(q.evidence_turns)
         if simulated:
             agent.gold = gold
-        response = agent.respond(q.user_id, q.text, remember=False)
+        response = respond(q.user_id, q.text, remember=False)
         hits = [bool(gold & set(mem.refs)) for mem in response.cited]
         shown_units = set().union(*(scorer.units(mem.refs) for mem in response.shown)) if response.shown else set()
         rows.append({
@@ -108,12 +119,14 @@ def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None,
             "shown_recall": len(shown_units & gold) / len(gold) if gold else None,
             "judge": None,
         })
+        if frontend == "goal":
+            rows[-1]["trace"] = response.trace.to_json()
     if judge is not None and not simulated:
         _judge(rows, judge, judge_batch)
     learner = agent.learner(questions[0].user_id) if questions else None
     sessions.close()
     return _summarize(dataset, rows, llm=llm.name, judge=None if simulated or judge is None else judge.name,
-                      granularity=granularity, simulated=simulated,
+                      granularity=granularity, simulated=simulated, frontend=frontend,
                       reranker=asdict(learner.stats) if learner is not None else {})
 
 
