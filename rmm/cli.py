@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,12 +160,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise RmmError("the simulated LLM writes no answers (it only cites, for benchmarks with gold evidence); "
                        "chat with hf:PATH, openai:URL@MODEL or vllm:PATH")
     bank = MemoryBank(args.bank, load_encoder(args.encoder, device=args.device), device=args.device)
+    log_path = Path(args.bank) / CHAT_LOG
+    restore_logging = _log_to_file(log_path, verbose=args.verbose)
     agent = Agent(bank, llm, k=args.k, m=args.m, tau=args.tau, learn=not args.no_learn, structured=args.structured,
                   per_user=args.per_user, store_turns=args.store_turns)
     goal = _goal_frontend(agent, args) if args.frontend == "goal" else None
     console.print(f"[bold]rmm chat[/bold] · user {args.user} · {llm.name} · bank {args.bank}\n"
                   "[dim]/end ends the session (prospective reflection) · /memories lists memories · "
-                  "/quit saves and exits[/dim]")
+                  f"/quit saves and exits · log: {escape(str(log_path))}[/dim]")
     try:
         while True:
             try:
@@ -195,8 +198,36 @@ def cmd_chat(args: argparse.Namespace) -> int:
         agent.close()
         bank.close()
         llm.close()
+        restore_logging()
     console.print("saved")
     return 0
+
+
+CHAT_LOG = "chat.log"
+
+
+def _log_to_file(path: Path, verbose: bool = False) -> Callable[[], None]:
+    """Keep the chat screen for the conversation: library warnings (e.g. a reply's citation
+    problems) go to a log file beside the bank instead of between the turns. Returns the undo."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root, ours = logging.getLogger(), logging.getLogger("rmm")
+    saved = (list(root.handlers), root.level, ours.level)
+    for old in saved[0]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    ours.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+    def restore() -> None:
+        root.removeHandler(handler)
+        handler.close()
+        for old in saved[0]:
+            root.addHandler(old)
+        root.setLevel(saved[1])
+        ours.setLevel(saved[2])
+
+    return restore
 
 
 def _short(text: str, width: int = 100) -> str:

@@ -93,6 +93,21 @@ def test_chat_on_empty_bank_and_unknown_frontend(tmp_path: Path, monkeypatch, ca
     assert "invalid choice: 'sideways'" in capsys.readouterr().err
 
 
+def test_chat_keeps_citation_warnings_off_the_screen_and_in_the_log(tmp_path: Path, monkeypatch, capsys,
+                                                                    fakes) -> None:
+    bank = tmp_path / "bank"
+    args = ["chat", "--bank", str(bank), "--user", "ana", "--llm", "scripted", "--device", "cpu"]
+    drive(monkeypatch, ["I play the cello", "/end", "Do I play the cello? [7]"])
+    monkeypatch.setattr(ChatLLM, "_generate", lambda self, batch, **kw: [
+        "Yes! [0, 9]" if is_answer_prompt(c) else
+        ('{"extracted_memories": [{"summary": "The user plays the cello", "reference": [0]}]}'
+         if "Turn 0" in c[-1]["content"] else "Add()") for c in batch])
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "Yes!" in captured.out and "out-of-range" not in captured.out + captured.err
+    assert "dropped out-of-range index 9" in (bank / "chat.log").read_text()
+
+
 def test_chat_refuses_the_simulated_llm(tmp_path: Path, capsys) -> None:
     assert main(["chat", "--bank", str(tmp_path / "b"), "--user", "zoe", "--llm", "simulated"]) == 2
     assert "writes no answers" in capsys.readouterr().out
