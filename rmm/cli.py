@@ -351,7 +351,7 @@ def cmd_eval_qa(args: argparse.Namespace) -> int:
     if opened.encoder is None:
         raise RmmError(f"the agent's reranker needs a dense retriever; {args.retriever!r} has none")
     report = evaluate_qa(dataset, opened.retriever, llm, judge, granularity=args.granularity, limit=args.limit,
-                         k=args.k, m=args.m, frontend=args.frontend,
+                         k=args.k, m=args.m, frontend=args.frontend, learn=not args.no_learn,
                          goal_config=_goal_config(args) if args.frontend == "goal" else None)
     for row in report.rows:
         if "trace" in row:
@@ -578,6 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="answer at most N questions (in dataset order)")
     p.add_argument("--k", type=int, default=20)
     p.add_argument("--m", type=int, default=5)
+    p.add_argument("--no-learn", action="store_true",
+                   help="show the plain top-M and update nothing (default: learn online, Gumbel-sampled M)")
     p.add_argument("--frontend", default="direct", choices=("direct", "goal"),
                    help="direct = the question as one query; goal = GOAL-MEM goal decomposition (needs a real LLM)")
     _goal_options(p)

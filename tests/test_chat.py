@@ -189,3 +189,15 @@ def test_eval_qa_with_the_simulated_generator_reports_citations_only(tiny_data_d
     assert report["overall"]["shown_recall"] >= 0.4 and report["overall"]["cited_precision"] >= 0.8
     assert report["reranker"]["records"] > 0
     assert "simulated generator" in capsys.readouterr().out
+
+
+def test_eval_qa_no_learn_shows_the_top_m_and_updates_nothing(tiny_data_dir, tmp_path, isolated_cache) -> None:
+    runs = {}
+    for flag in ([], ["--no-learn"]):
+        out = tmp_path / f"qa{len(flag)}.json"
+        assert main(["eval-qa", "--data-dir", str(tiny_data_dir), "--llm", "simulated", "--device", "cpu",
+                     "--k", "8", "--json", str(out), *flag]) == 0
+        runs[bool(flag)] = json.loads(out.read_text())
+    assert runs[False]["reranker"]["records"] > 0 and runs[True]["reranker"]["records"] == 0
+    # the tiny dataset's evidence shares words with its question: the plain top-M finds it
+    assert runs[True]["overall"]["shown_recall"] >= runs[False]["overall"]["shown_recall"]

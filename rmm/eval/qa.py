@@ -82,8 +82,12 @@ class _GoldCitingAgent(Agent):
 
 def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None, *, granularity: str = "turn",
                 limit: int | None = None, k: int = 20, m: int = 5, progress: bool = True,
-                judge_batch: int = 16, frontend: str = "direct", goal_config: GoalConfig | None = None) -> QAReport:
-    """Answer each question through the agent (learning on), then judge and score per category.
+                judge_batch: int = 16, frontend: str = "direct", goal_config: GoalConfig | None = None,
+                learn: bool = True) -> QAReport:
+    """Answer each question through the agent, then judge and score per category.
+
+    `learn=True` is the paper's online setting (Gumbel-sampled M, reranker updated from the
+    citations as the questions go by); `learn=False` shows the plain top-M and updates nothing.
 
     The bank's sessions are the dialogue so far; questions are not dialogue, so they are not
     appended to any session. Categories the benchmark reports separately stay out of `overall`.
@@ -96,7 +100,7 @@ def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None,
     questions = [q for q in dataset.questions if q.answer and not q.abstention][: limit or None]
     sessions = SessionLog(":memory:")
     agent_cls, extra = (_GoldCitingAgent, {"citer": SimulatedCiter()}) if simulated else (Agent, {})
-    agent = agent_cls(bank, llm, k=k, m=m, learn=True, sessions=sessions, checkpoint_every=0, **extra)
+    agent = agent_cls(bank, llm, k=k, m=m, learn=learn, sessions=sessions, checkpoint_every=0, **extra)
     respond = agent.respond
     if frontend == "goal":
         from rmm.frontends.goal import GoalFrontend
