@@ -1,22 +1,34 @@
 """Training throughput (pairs/s): rmm's Lightning pretraining module vs sentence-transformers.
 
-Same MiniLM model, same (question, gold turn) pairs in the same batches, same batch size, lr,
-temperature (MNRL scale 20 = τ 0.05), max_length and step count, in one process. The
-sentence-transformers side is SentenceTransformerTrainer + MultipleNegativesRankingLoss when the
-`datasets` package is installed; otherwise the same loss driven by a plain torch loop over
-`model.tokenize` (the trainer's own inner work, minus its bookkeeping), which is labelled so.
+Both sides train the same MiniLM-L6 folder on the same (question, gold turn) LoCoMo pairs in the
+same batches (built once by rmm's no-duplicate sampler, full batches only), with the same batch
+size, step count, max_length (128), fp32 precision, lr, weight decay, grad-norm clip 1.0 and
+temperature (MNRL scale 20 = τ 0.05), in one process (same threads).
 
-    python scripts/bench_pretrain.py --steps 10 [--data-dir DIR] [--batch-size 32] [--rounds 2]
+- rmm: `rmm.training.pretrain.build` + `make_trainer` — the module and Lightning trainer that
+  `rmm pretrain` runs (checkpointing, progress bar and validation off; its logging kept).
+- sentence-transformers (`--baseline trainer`, the default when `datasets` and `accelerate` are
+  installed): `SentenceTransformerTrainer` + `MultipleNegativesRankingLoss(scale=20)` with its
+  default optimiser (transformers' `adamw_torch_fused` on torch ≥ 2.8), no evaluation, no saving,
+  no reporting, progress bar off, logging at its default (every 500 steps: never here), and a
+  sequential batch sampler over the pairs laid out in our batch order (so it sees our batches).
+  `--baseline loop` is the same loss and model in a plain torch loop (tokenise, forward, backward,
+  clip, AdamW), for machines without `datasets`; `auto` falls back to it and says so.
 
-Wall-clock from the end of a warm-up step to the end of the last step (tokenisation, data
-loading and optimiser included) on each side; rounds alternate the two sides and
-the best round of each is reported (the machine may be shared).
+Timing on each side runs from the end of a warm-up step to the end of the last step (data
+loading, tokenisation, forward, backward, clipping and optimiser included; model loading not).
+The machine may be shared: rounds alternate the order of the two sides (rmm first in odd rounds,
+sentence-transformers first in even ones) and the summary reports medians over rounds, and the
+median of the per-round ratios, in wall pairs/s and in pairs per CPU-second of this process.
+
+    python scripts/bench_pretrain.py [--steps 10] [--rounds 3] [--baseline auto|trainer|loop]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -25,23 +37,27 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch
 
+Rate = tuple[float, float]  # (pairs per wall second, pairs per CPU second)
+
 
 def _mark() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def _rates(batches: list[list[int]], marks: list[tuple[float, float]]) -> tuple[float, float]:
+def _rates(batches: list[list[int]], marks: list[tuple[float, float]]) -> Rate:
     """(pairs per wall second, pairs per CPU second of this process) after the warm-up step.
 
     CPU seconds are the steadier figure on a shared machine: other jobs stretch wall time."""
+    if len(marks) != len(batches):
+        raise RuntimeError(f"timed {len(marks)} steps, expected {len(batches)}")
     pairs = sum(len(b) for b in batches[1:])
     return pairs / (marks[-1][0] - marks[0][0]), pairs / (marks[-1][1] - marks[0][1])
 
 
-def rmm_round(cfg, batches: list[list[int]], dataset) -> tuple[float, float]:
-    """Pairs/s of the Lightning module over `batches` (after one warm-up step)."""
+def rmm_round(cfg, batches: list[list[int]], dataset) -> Rate:
+    """Pairs/s of the Lightning module, with the trainer `rmm pretrain` builds, over `batches`."""
     import lightning as L
-    from rmm.training.pretrain import build
+    from rmm.training.pretrain import build, make_trainer
 
     module, data = build(cfg, dataset)
     module.train()
@@ -59,19 +75,15 @@ def rmm_round(cfg, batches: list[list[int]], dataset) -> tuple[float, float]:
     data.val_dataloader = lambda: []  # type: ignore[method-assign]  # noqa: PIE807 (Lightning inspects __code__)
     marks: list[tuple[float, float]] = []
 
-    class WallClock(L.Callback):  # from the end of the warm-up step to the end of the last one
+    class WallClock(L.Callback):  # after each optimiser step
         def on_train_batch_end(self, trainer, *_args) -> None:
             marks.append(_mark())
 
-    trainer = L.Trainer(max_steps=len(batches), accelerator="cpu", devices=1, precision="32-true", logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, use_distributed_sampler=False, gradient_clip_val=cfg.grad_clip,
-                        callbacks=[WallClock()])
-    trainer.fit(module, datamodule=data)
+    make_trainer(cfg, [WallClock()]).fit(module, datamodule=data)
     return _rates(batches, marks)
 
 
-def st_round(model_path: str, pairs, batches: list[list[int]], cfg) -> tuple[tuple[float, float], str]:
+def _st_model_and_loss(model_path: str, cfg):
     from sentence_transformers import SentenceTransformer
     try:
         from sentence_transformers.sentence_transformer.losses import (
@@ -82,20 +94,28 @@ def st_round(model_path: str, pairs, batches: list[list[int]], cfg) -> tuple[tup
 
     model = SentenceTransformer(model_path, device="cpu")
     model.max_seq_length = cfg.max_length
-    loss = MultipleNegativesRankingLoss(model, scale=1.0 / cfg.temperature)
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        return _st_loop(model, loss, pairs, batches, cfg), "MNRL, plain torch loop (no `datasets` package)"
-    return _st_trainer(model, loss, pairs, batches, cfg), "SentenceTransformerTrainer + MNRL"
+    return model, MultipleNegativesRankingLoss(model, scale=1.0 / cfg.temperature)
 
 
-def _st_loop(model, loss, pairs, batches, cfg) -> tuple[float, float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+def trainer_available() -> str | None:
+    """None when SentenceTransformerTrainer can run here, else what is missing."""
+    missing = []
+    for package in ("datasets", "accelerate"):
+        try:
+            __import__(package)
+        except ImportError:
+            missing.append(package)
+    return " and ".join(f"`{m}`" for m in missing) or None
+
+
+def st_loop_round(model_path: str, pairs, batches: list[list[int]], cfg) -> Rate:
+    """MNRL in a plain torch loop: the trainer's inner work without its bookkeeping."""
+    model, loss = _st_model_and_loss(model_path, cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     model.train()
     marks: list[tuple[float, float]] = []
+    tokenize = getattr(model, "preprocess", model.tokenize)  # `tokenize` is deprecated in sentence-transformers 6
     for batch in batches:
-        tokenize = getattr(model, "preprocess", model.tokenize)  # `tokenize` is deprecated in sentence-transformers 6
         features = [tokenize([pairs[i].query for i in batch]), tokenize([pairs[i].passage for i in batch])]
         value = loss(features, None)
         optimizer.zero_grad()
@@ -106,37 +126,42 @@ def _st_loop(model, loss, pairs, batches, cfg) -> tuple[float, float]:
     return _rates(batches, marks)
 
 
-def _st_trainer(model, loss, pairs, batches, cfg) -> tuple[float, float]:
+def st_trainer_round(model_path: str, pairs, batches: list[list[int]], cfg) -> Rate:
+    """SentenceTransformerTrainer + MNRL with a user's sensible settings (see the module docstring)."""
     from datasets import Dataset as HFDataset
     from sentence_transformers import (
         SentenceTransformerTrainer,
         SentenceTransformerTrainingArguments,
     )
+    from sentence_transformers.base.sampler import DefaultBatchSampler
     from transformers import TrainerCallback
 
-    order = [i for batch in batches for i in batch]
+    model, loss = _st_model_and_loss(model_path, cfg)
+    order = [i for batch in batches for i in batch]  # every batch is full: sequential batches = ours
     train = HFDataset.from_dict({"anchor": [pairs[i].query for i in order],
                                  "positive": [pairs[i].passage for i in order]})
 
-    class Timer(TrainerCallback):  # from the end of the warm-up step to the end of the last one
-        def __init__(self) -> None:
-            self.marks: list[tuple[float, float]] = []
+    def our_batches(dataset, batch_size: int, drop_last: bool, **_kwargs) -> DefaultBatchSampler:
+        return DefaultBatchSampler(torch.utils.data.SequentialSampler(dataset), batch_size=batch_size,
+                                   drop_last=drop_last)
 
+    marks: list[tuple[float, float]] = []
+
+    class WallClock(TrainerCallback):  # after each optimiser step
         def on_step_end(self, args, state, control, **kwargs):
-            self.marks.append(_mark())
+            marks.append(_mark())
 
-    timer = Timer()
     with tempfile.TemporaryDirectory() as out:
         args = SentenceTransformerTrainingArguments(
-            output_dir=out, per_device_train_batch_size=cfg.batch_size, learning_rate=cfg.lr,
-            max_steps=len(batches), warmup_ratio=0.0, weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip,
-            logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True, dataloader_drop_last=False,
+            output_dir=out, per_device_train_batch_size=cfg.batch_size, max_steps=len(batches),
+            learning_rate=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip,
+            eval_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
+            batch_sampler=our_batches, seed=cfg.seed,
         )
         trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss,
-                                             callbacks=[timer])
-        trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(train)  # same batches
+                                             callbacks=[WallClock()])
         trainer.train()
-    return _rates(batches, timer.marks)
+    return _rates(batches, marks)
 
 
 def main() -> None:
@@ -144,12 +169,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per side (plus one warm-up)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
+    parser.add_argument("--baseline", choices=("auto", "trainer", "loop"), default="auto",
+                        help="sentence-transformers side: its trainer (auto when `datasets` is installed) "
+                             "or a plain loop")
     parser.add_argument("--data-dir", default=None, help="benchmark data (default: $RMM_DATA_DIR)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    missing = trainer_available()
+    if args.baseline == "trainer" and missing:
+        parser.error(f"--baseline trainer needs {missing}: pip install datasets accelerate")
+    use_trainer = args.baseline == "trainer" or (args.baseline == "auto" and not missing)
+    if use_trainer:
+        label, st_round = "SentenceTransformerTrainer + MNRL", st_trainer_round
+    else:
+        why = f"{missing} not installed" if missing and args.baseline == "auto" else "--baseline loop"
+        label, st_round = f"MNRL in a plain torch loop ({why})", st_loop_round
 
     from rmm.training.pretrain import NoDuplicateBatchSampler, build_pairs, split_users
     from rmm.training.pretrain_config import PretrainConfig
@@ -161,27 +198,38 @@ def main() -> None:
     model_path = str(resolve_preset_path(PRESETS["minilm"]))
     cfg = PretrainConfig(encoder=model_path, batch_size=args.batch_size, max_length=args.max_length,
                          checkpoint=False, progress=False, accelerator="cpu", devices=1, precision="32-true",
-                         lr=1e-4, temperature=0.05, eval_before=False)
+                         lr=1e-4, temperature=0.05, eval_before=False, max_steps=args.steps + 1,
+                         output_dir=tempfile.mkdtemp(prefix="bench-pretrain-"))
     split = split_users([u for u in dataset.users if dataset.questions_of(u)], cfg.val_fraction, cfg.test_fraction,
                         cfg.seed)
     pairs = build_pairs(dataset, split.train)
     batches = [b for b in NoDuplicateBatchSampler(pairs, args.batch_size, seed=0) if len(b) == args.batch_size]
     batches = batches[: args.steps + 1]
-    print(f"MiniLM-L6, {len(batches) - 1} timed steps of {args.batch_size} LoCoMo (question, gold turn) pairs, "
-          f"max_length {args.max_length}, {torch.get_num_threads()} threads")
-    ours: list[tuple[float, float]] = []
-    theirs: list[tuple[float, float]] = []
-    label = ""
+    if len(batches) < 2:
+        parser.error("need at least 2 full batches (1 warm-up + 1 timed)")
+    print(f"MiniLM-L6, {len(batches) - 1} timed steps (+1 warm-up) of {args.batch_size} LoCoMo (question, gold turn) "
+          f"pairs, max_length {args.max_length}, fp32, {torch.get_num_threads()} threads; baseline: {label}",
+          flush=True)
+    ours: list[Rate] = []
+    theirs: list[Rate] = []
     for round_ in range(args.rounds):
-        ours.append(rmm_round(cfg, batches, dataset))
-        rate, label = st_round(model_path, pairs, batches, cfg)
-        theirs.append(rate)
-        print(f"round {round_ + 1}: rmm {ours[-1][0]:.2f} pairs/s wall ({ours[-1][1]:.2f} per CPU-s), "
-              f"sentence-transformers {theirs[-1][0]:.2f} pairs/s wall ({theirs[-1][1]:.2f} per CPU-s)")
+        if round_ % 2 == 0:
+            ours.append(rmm_round(cfg, batches, dataset))
+            theirs.append(st_round(model_path, pairs, batches, cfg))
+        else:
+            theirs.append(st_round(model_path, pairs, batches, cfg))
+            ours.append(rmm_round(cfg, batches, dataset))
+        print(f"round {round_ + 1} ({'rmm first' if round_ % 2 == 0 else 'sentence-transformers first'}): "
+              f"rmm {ours[-1][0]:.2f} pairs/s wall ({ours[-1][1]:.2f} per CPU-s), sentence-transformers "
+              f"{theirs[-1][0]:.2f} pairs/s wall ({theirs[-1][1]:.2f} per CPU-s), "
+              f"ratio {ours[-1][0] / theirs[-1][0]:.2f} wall ({ours[-1][1] / theirs[-1][1]:.2f} CPU)", flush=True)
     for index, unit in ((0, "pairs/s (wall)"), (1, "pairs per CPU-second")):
-        best_ours, best_theirs = max(r[index] for r in ours), max(r[index] for r in theirs)
-        print(f"{unit}: rmm Lightning module {best_ours:.2f}, sentence-transformers ({label}) {best_theirs:.2f}, "
-              f"ratio {best_ours / best_theirs:.2f} (goal >= 1.0; best of {args.rounds})")
+        median_ours = statistics.median(r[index] for r in ours)
+        median_theirs = statistics.median(r[index] for r in theirs)
+        ratio = statistics.median(a[index] / b[index] for a, b in zip(ours, theirs))
+        print(f"{unit}: rmm Lightning module {median_ours:.2f}, sentence-transformers ({label}) {median_theirs:.2f}; "
+              f"median per-round ratio {ratio:.2f} (goal >= 1.0; {args.rounds} rounds)")
+
 
 if __name__ == "__main__":
     main()

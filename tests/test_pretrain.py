@@ -14,6 +14,7 @@ pytest.importorskip("lightning")
 from rmm.training.pretrain import (
     NoDuplicateBatchSampler,
     Pair,
+    _fused_adamw_supported,
     build,
     build_pairs,
     contrastive_logits,
@@ -204,7 +205,9 @@ def test_trained_module_exports_an_encoder_that_loads_with_the_same_embeddings(
     cfg = tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir, max_steps=3, hard_negatives=1)
     module, data = build(cfg)
     module.train()
-    make_trainer(cfg).fit(module, datamodule=data)
+    trainer = make_trainer(cfg)
+    trainer.fit(module, datamodule=data)
+    assert trainer.optimizers[0].defaults["fused"] is True  # CPU fp32: AdamW's fused kernel
     module.eval()
     saved = module.export_encoder(tmp_path / "encoder")
     loaded = load_encoder(str(saved), device="cpu")
@@ -226,6 +229,35 @@ def test_run_pretrain_reports_heldout_recall_before_and_after(
     assert "test 1" in report.split
     assert load_encoder(report.output, device="cpu").dim == 32
     assert json.loads((Path(cfg.output_dir) / "report.json").read_text())["steps"] == 2
+
+
+def test_only_heads_embed_never_reads_are_frozen(tmp_path: Path, tiny_data_dir: Path,
+                                                  tiny_encoder_dir: Path) -> None:
+    """BERT's pooler gets no gradient from the loss (embed pools last_hidden_state): trainable, it
+    would make DDP fail; every other weight must stay trainable."""
+    module, _ = build(tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir))
+    frozen = {name for name, p in module.model.named_parameters() if not p.requires_grad}
+    assert frozen == {"pooler.dense.weight", "pooler.dense.bias"}
+
+
+def test_fused_adamw_is_skipped_where_lightning_or_torch_cannot_use_it() -> None:
+    cpu = [torch.nn.Parameter(torch.zeros(2, 2))]
+    assert _fused_adamw_supported(cpu, "32-true") and _fused_adamw_supported(cpu, "bf16-mixed")
+    assert not _fused_adamw_supported(cpu, "16-mixed")  # GradScaler + clipping: Lightning refuses
+    assert not _fused_adamw_supported([torch.nn.Parameter(torch.zeros(2, 2, device="meta"))], "32-true")
+    assert not _fused_adamw_supported([], "32-true")
+
+
+def test_gradient_clipping_caps_the_global_norm(tmp_path: Path, tiny_data_dir: Path, tiny_encoder_dir: Path) -> None:
+    module, data = build(tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir, grad_clip=0.5))
+    module.batch_loss(data.collate("train", [0, 1, 2])).backward()
+    parameters = [p for p in module.parameters() if p.grad is not None]
+    for p in parameters:
+        p.grad.mul_(100.0)  # well above the cap
+    optimizer = torch.optim.AdamW(parameters)
+    module.configure_gradient_clipping(optimizer, 0.5, "norm")
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in parameters]))
+    assert norm.item() == pytest.approx(0.5, rel=1e-4)
 
 
 def test_trainer_uses_our_sampler_not_lightnings(tmp_path: Path, tiny_data_dir: Path) -> None:

@@ -249,6 +249,24 @@ def _lora_wrap(model: nn.Module, cfg: PretrainConfig) -> nn.Module:
     return wrapped
 
 
+def _fused_adamw_supported(parameters: Sequence[Tensor], precision: str) -> bool:
+    """AdamW's fused kernel (one pass over all tensors: ~6x faster than the default multi-tensor
+    step on CPU, 0.1 s instead of 0.6 s per MiniLM step) where torch has it. Not under 16-mixed:
+    a fused AdamW unscales the gradients itself, and Lightning then refuses gradient clipping."""
+    return (precision != "16-mixed" and bool(parameters)
+            and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in parameters))
+
+
+def _freeze_unused_heads(model: nn.Module) -> None:
+    """Freeze heads `Encoder.embed` never reads (BERT's `pooler`: embed pools last_hidden_state).
+
+    Trainable parameters without a gradient make DDP fail on its second step ("parameters that were
+    not used in producing the loss"), and AdamW would decay them for nothing."""
+    pooler = getattr(model, "pooler", None)
+    if isinstance(pooler, nn.Module):
+        pooler.requires_grad_(False)
+
+
 def _sync_encoder_device(encoder: Encoder) -> None:
     """Encoder.collate sends inputs to `encoder.device`: keep it where Lightning put the weights."""
     encoder.device = next(encoder.model.parameters()).device
@@ -271,6 +289,7 @@ class ContrastiveModule(L.LightningModule):
             encoder.model = self.model
         else:
             self.model.requires_grad_(True)  # Encoder loads frozen for inference
+            _freeze_unused_heads(self.model)
         if self.dense is not None:
             self.dense.requires_grad_(True)
         init = math.log(1.0 / cfg.temperature)
@@ -307,8 +326,10 @@ class ContrastiveModule(L.LightningModule):
             if not parameter.requires_grad:
                 continue
             (no_decay if parameter.dim() < 2 or name == "log_scale" else decay).append(parameter)
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.cfg.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.cfg.lr)
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        fused = self.cfg.fused_adamw and _fused_adamw_supported(decay + no_decay, _precision(self.cfg))
+        optimizer = torch.optim.AdamW(groups, lr=self.cfg.lr, **({"fused": True} if fused else {}))
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = int(total * self.cfg.warmup_ratio)
 
@@ -319,6 +340,18 @@ class ContrastiveModule(L.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Norm clipping with the multi-tensor kernel: torch picks it by default only for CUDA
+        tensors, and on CPU the per-tensor loop costs about twice as long (~0.1 s per MiniLM step)."""
+        if not gradient_clip_val or gradient_clip_algorithm not in (None, "norm") or _precision(self.cfg) == "16-mixed":
+            # value clipping, or a GradScaler whose checks Lightning's own path keeps
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if parameters:
+            nn.utils.clip_grad_norm_(parameters, gradient_clip_val, foreach=True)
 
     def export_encoder(self, folder: str | Path) -> Path:
         """Write an encoder folder `load_encoder` reads (LoRA merged into the weights)."""
@@ -466,6 +499,7 @@ class PretrainReport:
     final_train_loss: float | None = None
     final_val_loss: float | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0  # under DDP, only rank 0's report holds results; the others are placeholders
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -604,7 +638,8 @@ def run_pretrain(config: PretrainConfig, dataset: Dataset | None = None) -> Pret
     trainer.fit(module, datamodule=data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.global_rank != 0:
-        return PretrainReport(module.encoder.name, "", data.split.describe(), {}, throughput.steps, 0.0, 0.0)
+        return PretrainReport(module.encoder.name, "", data.split.describe(), {}, throughput.steps, 0.0, 0.0,
+                              rank=trainer.global_rank)
     module.model.eval()
     module.encoder.config.name = f"{module.encoder.config.name}-pretrained"
     module.encoder.name = module.encoder.config.name

@@ -38,6 +38,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     report = run_pretrain(cfg)
+    if report.rank != 0:  # DDP: the launching rank reports (and writes --json) for all of them
+        return 0
     print(report.split)
     print(f"pairs {report.n_pairs}; {report.steps} steps, {report.pairs_per_second:.1f} pairs/s; "
           f"final train loss {_fmt(report.final_train_loss)}, val loss {_fmt(report.final_val_loss)}")

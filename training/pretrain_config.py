@@ -68,6 +68,7 @@ class PretrainConfig:
     lora_dropout: float = 0.05
     lora_target_modules: list[str] | None = None  # None → peft's default for the architecture
     num_workers: int = 0
+    fused_adamw: bool = True  # AdamW's fused kernel (CPU/CUDA; off under 16-mixed, see pretrain.py)
     # outputs
     checkpoint: bool = True  # Lightning checkpoints (last + best val_loss) under output_dir/checkpoints
     wandb_project: str | None = None  # W&B only when set and WANDB_MODE != disabled
