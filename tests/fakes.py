@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import re
 
@@ -24,3 +25,16 @@ class BagOfWordsEncoder:
         return torch.nn.functional.normalize(out + 1e-4, dim=-1)
 
     encode_passages = encode_queries
+
+
+def drive(monkeypatch, lines: list[str]) -> None:
+    """Feed `lines` to `input()` (a terminal session), then EOF."""
+    feed = iter(lines)
+
+    def fake_input(prompt: str = "") -> str:
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(builtins, "input", fake_input)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import builtins
 import json
 from pathlib import Path
 
 import pytest
-from fakes import BagOfWordsEncoder
+from fakes import BagOfWordsEncoder, drive
 
 import rmm.encoders
 import rmm.llm
@@ -36,18 +35,6 @@ class ChatLLM(LLM):
                 out.append("Add()")
         self._record(Usage(calls=1))
         return out
-
-
-def drive(monkeypatch, lines: list[str]) -> None:
-    feed = iter(lines)
-
-    def fake_input(prompt: str = "") -> str:
-        try:
-            return next(feed)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr(builtins, "input", fake_input)
 
 
 @pytest.fixture

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import builtins
 import json
 import re
 from pathlib import Path
 
 import pytest
-from fakes import BagOfWordsEncoder
+from fakes import BagOfWordsEncoder, drive
 
 import rmm.encoders
 import rmm.llm
@@ -46,18 +45,6 @@ class OneHopLLM(LLM):
                 out.append("From what you told me: yes. [0]")
         self._record(Usage(calls=len(batch), prompt_tokens=50, completion_tokens=10))
         return out
-
-
-def drive(monkeypatch, lines: list[str]) -> None:
-    feed = iter(lines)
-
-    def fake_input(prompt: str = "") -> str:
-        try:
-            return next(feed)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr(builtins, "input", fake_input)
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rmm.prompts.parse import PromptParseError
+from rmm.prompts.parse import PromptParseError, _warn
+from rmm.prompts.parse import _require_text as _require_str
 
 __all__ = [
     "Decomposition",
@@ -35,7 +36,6 @@ RefineStatus = Literal["refine", "stop"]
 _MAX_TEXT = 20_000
 _MAX_ITEMS = 20
 _MAX_ITEM_CHARS = 500
-_MAX_WARNINGS = 20
 
 # Subgoals of the decomposition prompt's worked example: a small model that copies them has not
 # decomposed the question at hand.
@@ -105,17 +105,8 @@ _BULLET = re.compile(r"^\s*(?:[-*•+]|\d{1,3}[.)])\s+")
 _NONE = re.compile(r"[\W_]*(?:none|n/?a|nothing|null|empty)[\W_]*", re.IGNORECASE)
 
 
-def _warn(warnings: list[str], message: str) -> None:
-    if len(warnings) < _MAX_WARNINGS:
-        warnings.append(message)
-    elif len(warnings) == _MAX_WARNINGS:
-        warnings.append("further warnings suppressed")
-
-
 def _require_text(text: object) -> str:
-    if not isinstance(text, str):
-        raise PromptParseError(f"expected the LLM output as a string, got {type(text).__name__}")
-    return text[:_MAX_TEXT]
+    return _require_str(text)[:_MAX_TEXT]
 
 
 def _header_pattern(names: dict[str, str]) -> re.Pattern[str]:
