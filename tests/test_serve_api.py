@@ -182,6 +182,16 @@ def test_delete_user_and_sessions_over_http(client: TestClient) -> None:
     assert retrieve(client, "ana", "cello").status_code == 404
 
 
+def test_a_memory_id_with_a_slash_can_be_deleted(client: TestClient) -> None:
+    added = client.post("/v1/users/ana/memories", json={"memories": [{"id": "notes/2024/cello", "text": "Ana tunes her cello"}]},
+                        headers=A)
+    assert added.status_code == 201
+    gone = client.delete("/v1/users/ana/memories/notes%2F2024%2Fcello", headers=A)
+    assert gone.status_code == 200 and gone.json()["memory_id"] == "notes/2024/cello"
+    assert "notes/2024/cello" not in [m["id"] for m in client.get("/v1/users/ana/memories", headers=A).json()["memories"]]
+    assert client.delete("/v1/users/ana/memories/notes%2F2024%2Fcello", headers=A).status_code == 404
+
+
 def test_openapi_documents_the_endpoints_and_auth(client: TestClient) -> None:
     schema = client.get("/openapi.json").json()
     assert {"/v1/retrieve", "/v1/feedback", "/v1/users/{user}", "/health", "/metrics"} <= set(schema["paths"])

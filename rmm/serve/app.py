@@ -522,7 +522,8 @@ def create_app(config: ServeConfig, *, service: RetrievalService | None = None, 
                       created_at=m.created_at, updated_at=m.updated_at, time_span=m.time_span)
             for m in service.memories(tenant, user)])
 
-    @app.delete("/v1/users/{user}/memories/{memory_id}", response_model=DeleteMemoryOut, tags=["memories"])
+    # `:path`: memory ids are the caller's, and may contain "/" (sent percent-encoded)
+    @app.delete("/v1/users/{user}/memories/{memory_id:path}", response_model=DeleteMemoryOut, tags=["memories"])
     def delete_memory(user: UserPath, memory_id: str, tenant: Tenant) -> DeleteMemoryOut:
         dropped = service.delete_memory(tenant, user, memory_id)
         return DeleteMemoryOut(user=user, memory_id=memory_id, selections_dropped=dropped)
