@@ -26,12 +26,17 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import torch
 
 from rmm.device import resolve_device
-from rmm.errors import CorruptFileError, DimensionMismatchError, EncoderMismatchError, RmmError
+from rmm.errors import (
+    CorruptFileError,
+    DimensionMismatchError,
+    EncoderMismatchError,
+    RmmError,
+)
 from rmm.index import BACKENDS, VectorIndex, index_file_info, load_index, make_index
 from rmm.store import MemoryStore
 from rmm.types import Candidates, Memory
@@ -279,8 +284,13 @@ class MemoryBank:
 
     # -------------------------------------------------------------- writes
 
-    def add(self, user: str, memories: list[Memory]) -> list[str]:
-        """Store and index new memories of `user` (texts encoded as passages in one batch)."""
+    def add(self, user: str, memories: list[Memory], embeddings: torch.Tensor | None = None) -> list[str]:
+        """Store and index new memories of `user` (texts encoded as passages in one batch).
+
+        `embeddings` are the memories' passage vectors when the caller already encoded them
+        (the server encodes many requests' memories in one call); they must come from this
+        bank's encoder.
+        """
         memories = list(memories)
         if not isinstance(user, str) or not user:
             raise ValueError(f"user must be a non-empty string, got {user!r}")
@@ -289,7 +299,13 @@ class MemoryBank:
         wrong = [m.id for m in memories if m.user_id != user]
         if wrong:
             raise ValueError(f"memories {wrong[:5]} belong to another user than {user!r}; set memory.user_id")
-        vectors = self._encode([m.text for m in memories], queries=False)
+        if embeddings is None:
+            vectors = self._encode([m.text for m in memories], queries=False)
+        else:
+            vectors = torch.as_tensor(embeddings).detach().float().cpu()
+            if vectors.shape != (len(memories), self.dim):
+                raise DimensionMismatchError(f"embeddings of shape {tuple(vectors.shape)} for {len(memories)} "
+                                             f"memories; this bank needs ({len(memories)}, {self.dim})")
         ids = [m.id for m in memories]
         with self._lock:
             self._check_open()
@@ -429,7 +445,7 @@ class MemoryBank:
                 self._indexes.clear()
                 self.store.close()
 
-    def __enter__(self) -> MemoryBank:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

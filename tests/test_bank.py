@@ -124,6 +124,19 @@ def test_search_embeddings_uses_the_given_vectors(bank: MemoryBank, encoder: Fak
         bank.search_embeddings(torch.zeros(2, encoder.dim), "alice", k=2, queries=["only one"])
 
 
+def test_add_with_precomputed_embeddings_skips_the_encoder(bank: MemoryBank, encoder: FakeEncoder) -> None:
+    vectors = encoder.encode_passages(["bob rows a red kayak"])
+    calls = len(encoder.calls)
+    with pytest.raises(DimensionMismatchError, match="needs"):
+        bank.add("bob", [Memory(id="k", user_id="bob", kind="turn", text="x")], embeddings=torch.zeros(1, 3))
+    assert not bank.store.has_user("bob")  # a refused write stores nothing
+    bank.add("bob", [Memory(id="k", user_id="bob", kind="turn", text="bob rows a red kayak")], embeddings=vectors)
+    assert len(encoder.calls) == calls
+    assert torch.equal(bank.embeddings("bob", ["k"]), vectors)
+    (c,) = bank.search(["red kayak"], "bob", k=1)
+    assert c.memory_ids == ["k"]
+
+
 def test_unknown_user_names_the_existing_ones(bank: MemoryBank) -> None:
     with pytest.raises(UnknownUserError, match="alice"):
         bank.search(["x"], "bob", k=3)

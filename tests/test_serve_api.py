@@ -225,3 +225,28 @@ def test_concurrent_requests_share_one_encoder_call(tmp_path: Path, enabled: boo
     assert all(r.status_code == 200 for r in responses)
     assert {r.json()["results"][0]["query"] for r in responses} == {f"{FACTS[i % 6]} {i}" for i in range(16)}
     assert main.calls == (1 if enabled else 16)  # type: ignore[attr-defined]
+
+
+def test_concurrent_writes_share_one_encoder_call_and_fail_alone(tmp_path: Path) -> None:
+    app = make_app(tmp_path, batching={"enabled": True, "max_batch": 64, "max_wait_ms": 200})
+    service = app.state.service
+
+    async def main() -> list[httpx.Response]:
+        async with app.router.lifespan_context(app):
+            service.add_memories("alpha", "ana", [NewMemory(text="Ana owns a red kayak", id="taken")])
+            calls = service.encoder.passage_calls
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=A) as http:
+                responses = list(await asyncio.gather(*(
+                    http.post(f"/v1/users/u{i % 3}/memories",
+                              json={"memories": [{"text": f"fact number {i} about rowing", "id": f"m{i}"}]})
+                    for i in range(12)), http.post("/v1/users/ana/memories",
+                                                   json={"memories": [{"text": "again", "id": "taken"}]})))
+            main.calls = service.encoder.passage_calls - calls  # type: ignore[attr-defined]
+            main.stored = {m.id for u in ("u0", "u1", "u2") for m in service.memories("alpha", u)}  # type: ignore[attr-defined]
+            return responses
+
+    *written, duplicate = asyncio.run(main())
+    assert all(r.status_code == 201 for r in written) and duplicate.status_code == 409
+    assert main.calls == 1  # type: ignore[attr-defined]
+    assert main.stored == {f"m{i}" for i in range(12)}  # type: ignore[attr-defined]

@@ -51,6 +51,7 @@ from rmm.serve.service import (
     RetrievalService,
     RetrieveItem,
     RetrieveResult,
+    WriteItem,
 )
 from rmm.store import DuplicateMemoryError
 from rmm.types import MEMORY_KINDS, Turn
@@ -436,6 +437,10 @@ def create_app(config: ServeConfig, *, service: RetrievalService | None = None, 
     batcher: MicroBatcher[RetrieveItem, RetrieveResult] = MicroBatcher(
         retrieve_batch, max_batch=config.batching.max_batch, max_wait_ms=config.batching.max_wait_ms,
         enabled=config.batching.enabled, name="retrieve", on_batch=metrics.on_batch)
+    # memory writes are coalesced the same way: one passage encode for every concurrent request
+    writes: MicroBatcher[WriteItem, list[str]] = MicroBatcher(
+        service.add_memories_batch, max_batch=config.batching.max_batch, max_wait_ms=config.batching.max_wait_ms,
+        enabled=config.batching.enabled, name="write")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -447,6 +452,7 @@ def create_app(config: ServeConfig, *, service: RetrievalService | None = None, 
             yield
         finally:
             await batcher.close()
+            await writes.close()
             await asyncio.to_thread(service.close)
             log.info("rmm serve stopped; rerankers checkpointed")
 
@@ -504,14 +510,15 @@ def create_app(config: ServeConfig, *, service: RetrievalService | None = None, 
         return UsersOut(users=service.users(tenant))
 
     @app.post("/v1/users/{user}/memories", response_model=AddMemoriesOut, status_code=201, tags=["memories"])
-    def add_memories(user: UserPath, body: AddMemoriesIn, tenant: Tenant) -> AddMemoriesOut:
-        """Store memories (encoded, indexed); answered only after the write is durable."""
+    async def add_memories(user: UserPath, body: AddMemoriesIn, tenant: Tenant) -> AddMemoriesOut:
+        """Store memories (encoded, indexed); answered only after the write is durable.
+        Concurrent requests are micro-batched into one encode, then committed one by one."""
         check_count(len(body.memories), limits.max_memories, "memories")
         check_texts([m.text for m in body.memories], "memories")
         for i, m in enumerate(body.memories):
             if m.kind not in MEMORY_KINDS:
                 raise _unprocessable(f"memories[{i}].kind: must be one of {list(MEMORY_KINDS)}, got {m.kind!r}")
-        ids = service.add_memories(tenant, user, [NewMemory(**m.model_dump()) for m in body.memories])
+        ids = await writes.submit(WriteItem(tenant, user, [NewMemory(**m.model_dump()) for m in body.memories]))
         metrics.memories.inc(len(ids))
         return AddMemoriesOut(user=user, ids=ids)
 

@@ -53,6 +53,7 @@ __all__ = [
     "RetrieveItem",
     "RetrieveResult",
     "ShownMemory",
+    "WriteItem",
     "scoped",
     "unscoped",
 ]
@@ -118,6 +119,15 @@ class NewMemory:
     refs: list[str] = field(default_factory=list)
     source_text: str = ""
     time: str | None = None
+
+
+@dataclass
+class WriteItem:
+    """One add-memories request: what the write micro-batcher coalesces."""
+
+    tenant: str
+    user: str
+    memories: list[NewMemory]
 
 
 @dataclass
@@ -287,13 +297,31 @@ class RetrievalService:
 
     def add_memories(self, tenant: str, user: str, memories: list[NewMemory]) -> list[str]:
         """Store and index; returns once committed (an acknowledged memory survives a crash)."""
-        user_id = scoped(tenant, user)
-        records = [
-            Memory(id=m.id or Memory.new_id(), user_id=user_id, kind=m.kind, text=m.text, refs=list(m.refs),  # type: ignore[arg-type]
-                   source_text=m.source_text, time_span=None if m.time is None else (m.time, m.time))
-            for m in memories
-        ]
-        return self.bank.add(user_id, records)
+        (result,) = self.add_memories_batch([WriteItem(tenant, user, memories)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def add_memories_batch(self, items: list[WriteItem]) -> list[list[str] | Exception]:
+        """Every request's memories in one encode; then each request commits on its own, so one
+        request's failure (e.g. a duplicate id) never loses or blocks another's write."""
+        records = [[
+            Memory(id=m.id or Memory.new_id(), user_id=scoped(item.tenant, item.user), kind=m.kind,  # type: ignore[arg-type]
+                   text=m.text, refs=list(m.refs), source_text=m.source_text,
+                   time_span=None if m.time is None else (m.time, m.time))
+            for m in item.memories] for item in items]
+        texts = [m.text for batch in records for m in batch]
+        vectors = self.encoder.encode_passages(texts) if texts else torch.empty(0, self.encoder.dim)
+        results: list[list[str] | Exception] = []
+        start = 0
+        for batch in records:
+            rows = vectors[start:start + len(batch)]
+            start += len(batch)
+            try:
+                results.append(self.bank.add(batch[0].user_id, batch, embeddings=rows) if batch else [])
+            except Exception as error:  # noqa: BLE001 - handed back to this request only
+                results.append(error)
+        return results
 
     def memories(self, tenant: str, user: str) -> list[Memory]:
         return self.bank.memories(self.require_user(tenant, user))
