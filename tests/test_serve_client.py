@@ -139,3 +139,12 @@ def test_restart_keeps_memories_checkpoint_and_pending_selections(tmp_path: Path
         assert [m.text for m in rmm.memories("ana")] == FACTS
         result = rmm.feedback(waiting, cited=[0])  # issued before the restart
         assert result.learner_records == 3 and result.learner_step == 1
+
+
+def test_importing_the_client_does_not_load_torch() -> None:
+    """Agents import the client in their own process: it must stay light (httpx only)."""
+    import subprocess
+    import sys
+
+    code = "import sys, rmm.serve.client, rmm; assert 'torch' not in sys.modules, 'torch imported'; rmm.Memory"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
