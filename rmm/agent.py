@@ -8,6 +8,11 @@ Everything persists beside the bank: the open sessions (`sessions.sqlite`) and t
 checkpoint (`reranker/`, or `reranker/users/<user>/` with one reranker per user), saved
 atomically every `checkpoint_every` rewarded answers and on `close()`.
 
+Hyper-parameters: `recipe="auto"` takes the paper's (τ 0.5, b 0.5, lr 1e-3) for dot-product
+encoders and the `normalized` recipe (τ 0.05, running-mean baseline, lr 3e-4) for L2-normalised
+ones such as the default MiniLM, whose cosines τ = 0.5 would flatten into near-uniform sampling
+(see `rmm.learner.RECIPES`); `tau=` or `learner_config=` override it.
+
 Decisions where the paper is silent: `end_session` stores topic memories only, as the paper
 does (`store_turns=True` also stores each raw turn as a turn memory); extraction is asked about
 the user only (the whole session is shown, but memories about the assistant help nobody).
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rmm.bank import MemoryBank
-from rmm.learner import Learner, LearnerConfig
+from rmm.learner import Learner, LearnerConfig, is_normalized_encoder, recipe_config
 from rmm.reflection import CitationFeedback, ProspectiveReflector, reflect_citations
 from rmm.reranker import ResidualLinearReranker
 from rmm.retrieve import RerankedRetriever
@@ -56,12 +61,16 @@ class Response:
 
 class Agent:
     def __init__(self, bank: MemoryBank, llm: LLM, *, learner: Learner | None = None, per_user: bool = False,
-                 reflector: ProspectiveReflector | None = None, k: int = 20, m: int = 5, tau: float = 0.5,
+                 reflector: ProspectiveReflector | None = None, k: int = 20, m: int = 5, tau: float | None = None,
                  learn: bool = True, structured: bool = False, sessions: SessionLog | None = None,
                  checkpoint_dir: str | Path | None = None, checkpoint_every: int = 10, store_turns: bool = False,
-                 learner_config: LearnerConfig | None = None, max_tokens: int = 512, seed: int = 0) -> None:
+                 learner_config: LearnerConfig | None = None, max_tokens: int = 512, seed: int = 0,
+                 recipe: str = "auto") -> None:
         if m > k:
             raise ValueError(f"cannot show M={m} memories out of K={k} candidates")
+        if learner_config is None:  # `auto`: the paper's for dot products, sharper for cosines
+            learner_config = recipe_config(recipe, is_normalized_encoder(bank.encoder), tau=tau)
+        tau = learner_config.tau if tau is None else tau
         self.bank, self.llm = bank, llm
         self.k, self.m, self.tau = k, m, tau
         self.learn, self.structured, self.store_turns = learn, structured, store_turns
@@ -71,7 +80,7 @@ class Agent:
         self.sessions = sessions if sessions is not None else SessionLog(Path(bank.path) / SESSIONS_FILE)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else Path(bank.path) / CHECKPOINT_DIR
         self.checkpoint_every = checkpoint_every
-        self.learner_config = learner_config or LearnerConfig(tau=tau)
+        self.learner_config = learner_config
         self.generator = torch.Generator().manual_seed(seed)
         self._learners: dict[str, Learner] = {}
         self._saved_step: dict[str, int] = {}

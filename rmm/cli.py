@@ -162,8 +162,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     bank = MemoryBank(args.bank, load_encoder(args.encoder, device=args.device), device=args.device)
     log_path = Path(args.bank) / CHAT_LOG
     restore_logging = _log_to_file(log_path, verbose=args.verbose)
-    agent = Agent(bank, llm, k=args.k, m=args.m, tau=args.tau, learn=not args.no_learn, structured=args.structured,
-                  per_user=args.per_user, store_turns=args.store_turns)
+    agent = Agent(bank, llm, k=args.k, m=args.m, tau=args.tau, recipe=args.recipe, learn=not args.no_learn,
+                  structured=args.structured, per_user=args.per_user, store_turns=args.store_turns)
     goal = _goal_frontend(agent, args) if args.frontend == "goal" else None
     console.print(f"[bold]rmm chat[/bold] · user {args.user} · {llm.name} · bank {args.bank}\n"
                   "[dim]/end ends the session (prospective reflection) · /memories lists memories · "
@@ -409,7 +409,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _online_config(args: argparse.Namespace, normalized_encoder: bool):
     """The recipe's values, overridden by any hyper-parameter given on the command line."""
-    from rmm.training.online import OnlineConfig, recipe_for
+    from rmm.learner import recipe_for
+    from rmm.training.online import OnlineConfig
 
     values = recipe_for(args.recipe, normalized_encoder)
     given = {"tau": args.tau, "baseline": args.baseline, "lr": args.lr, "batch_size": args.update_every,
@@ -560,7 +561,10 @@ def build_parser() -> argparse.ArgumentParser:
     _goal_options(p)
     p.add_argument("--k", type=int, default=20)
     p.add_argument("--m", type=int, default=5)
-    p.add_argument("--tau", type=float, default=0.5)
+    p.add_argument("--tau", type=float, help="Gumbel temperature (default: the recipe's)")
+    p.add_argument("--recipe", default="auto", choices=("auto", "paper", "normalized"),
+                   help="learner hyper-parameters; auto = normalized (τ 0.05) for L2-normalised encoders "
+                        "such as MiniLM, paper (τ 0.5) otherwise")
     p.add_argument("--no-learn", action="store_true", help="greedy top-M, no reranker updates")
     p.add_argument("--structured", action="store_true", help="JSON answers under the schema")
     p.add_argument("--per-user", action="store_true", help="one reranker per user")

@@ -187,6 +187,21 @@ def test_periodic_checkpoint_and_per_user_rerankers(bank: MemoryBank) -> None:
     agent.close()
 
 
+def test_the_learner_recipe_follows_the_encoders_normalisation(bank: MemoryBank) -> None:
+    from types import SimpleNamespace
+
+    llm = ScriptedLLM(cite_mentions("cello"))
+    plain = Agent(bank, llm)  # the bag-of-words double declares no normalisation: the paper's recipe
+    assert plain.tau == 0.5 and plain.learner_config.baseline == 0.5 and plain.learner_config.lr == 1e-3
+    bank.encoder.config = SimpleNamespace(normalize=True)  # like MiniLM: cosines, sharper τ
+    auto = Agent(bank, llm)
+    assert auto.tau == 0.05 and auto.learner_config.baseline == "mean" and auto.learner_config.lr == 3e-4
+    assert Agent(bank, llm, tau=0.3).learner_config.tau == 0.3
+    assert Agent(bank, llm, recipe="paper").tau == 0.5
+    with pytest.raises(ValueError, match="unknown recipe"):
+        Agent(bank, llm, recipe="fast")
+
+
 def test_bad_arguments(bank: MemoryBank) -> None:
     with pytest.raises(ValueError):
         Agent(bank, ScriptedLLM(cite_mentions("x")), k=2, m=3)

@@ -6,11 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+from rmm.training.online import OnlineConfig, OnlineTrainer, split_questions
 
 from rmm.bank import MemoryBank
 from rmm.corpus import fill
+from rmm.learner import recipe_for
 from rmm.retrieve import RerankedRetriever
-from rmm.training.online import OnlineConfig, OnlineTrainer, recipe_for, split_questions
 from rmm.types import Dataset, Question, Session, Turn
 
 DIM = 16

@@ -20,6 +20,17 @@ def test_the_documented_yaml_loads_with_overrides() -> None:
     assert config.learner_config().batch_size == 4 and config.k == 20 and config.m == 5
 
 
+def test_the_learner_recipe_follows_the_encoder_and_explicit_settings_win() -> None:
+    config = load_config(REPO / "configs" / "serve.yaml", {"bank": "b"}, environ={})
+    cosine, dot = config.learner_config(normalized_encoder=True), config.learner_config(normalized_encoder=False)
+    assert (cosine.tau, cosine.baseline, cosine.lr) == (0.05, "mean", 3e-4)
+    assert (dot.tau, dot.baseline, dot.lr) == (0.5, 0.5, 1e-3)
+    pinned = load_config(None, {"bank": "b", "tau": 0.2, "learner": {"lr": 1e-4}}, environ={})
+    assert (pinned.learner_config(True).tau, pinned.learner_config(True).lr) == (0.2, 1e-4)
+    with pytest.raises(ConfigError, match="unknown recipe"):
+        load_config(None, {"bank": "b", "recipe": "fast"}, environ={})
+
+
 def test_api_keys_from_yaml_env_and_key_file(tmp_path: Path) -> None:
     key_file = tmp_path / "keys.txt"
     key_file.write_text("# tenant keys\nfile-key-0001 filetenant\n\nfile-key-0002   other  # trailing comment\n")

@@ -44,27 +44,6 @@ log = logging.getLogger(__name__)
 
 CITERS = ("simulated",)
 
-# Hyper-parameter recipes. `paper` is RMM Appendix A.1 verbatim (τ 0.5, b 0.5, Adam lr 1e-3,
-# batch 4), tuned there for Contriever's unnormalised dot products. For an L2-normalised encoder
-# (MiniLM, Stella, GTE) the top-20 scores are cosines a few hundredths apart, so s/τ at τ = 0.5 is
-# nearly flat: Gumbel sampling is close to uniform and the learner mostly hears "not cited".
-# `normalized` sharpens τ, uses the running-mean reward baseline and a smaller step; it was chosen
-# on the prequential stream of LoCoMo's training conversations only (never the held-out ones).
-RECIPES: dict[str, dict[str, Any]] = {
-    "paper": {},
-    "normalized": {"tau": 0.05, "baseline": "mean", "lr": 3e-4},
-}
-
-
-def recipe_for(name: str, normalized_encoder: bool) -> dict[str, Any]:
-    """`auto` picks `normalized` for L2-normalised encoders and `paper` otherwise."""
-    if name == "auto":
-        name = "normalized" if normalized_encoder else "paper"
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; choose from {sorted(RECIPES)} or 'auto'")
-    return {"recipe": name, **RECIPES[name]}
-
-
 @dataclass
 class OnlineConfig:
     k: int = 20

@@ -546,9 +546,10 @@ def evaluate_heldout(encoder: Encoder, dataset: Dataset, users: Sequence[str], k
 
 def _online_rerank(dataset: Dataset, bank: Any, train_users: list[str], test_users: list[str],
                    cfg: PretrainConfig, progress: bool) -> dict[str, Any]:
-    from rmm.training.online import OnlineConfig, OnlineTrainer, Split, recipe_for
+    from rmm.training.online import OnlineConfig, OnlineTrainer, Split
 
     from rmm.eval.retrieval import GoldScorer, scorable
+    from rmm.learner import recipe_for
 
     recipe = recipe_for(cfg.rerank_recipe, bank.encoder.config.normalize)
     online = OnlineConfig(**recipe, epochs=cfg.rerank_epochs, seed=cfg.seed)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rmm.errors import RmmError
-from rmm.learner import LearnerConfig
+from rmm.learner import LearnerConfig, recipe_config
 
 __all__ = [
     "DEFAULT_KEYS_ENV",
@@ -136,7 +136,8 @@ class ServeConfig:
     torch_threads: int | None = None  # intra-op CPU threads (None: torch's default, one per core)
     k: int = 20
     m: int = 5
-    tau: float = 0.5
+    tau: float | None = None  # None: the recipe's (see `recipe`)
+    recipe: str = "auto"  # learner hyper-parameters: auto | paper | normalized (rmm.learner.RECIPES)
     explore: bool = True
     scope: Literal["topk", "bank"] = "topk"
     reranker_per: Literal["bank", "tenant", "user"] = "bank"
@@ -160,7 +161,7 @@ class ServeConfig:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.k < 1 or self.m < 1 or self.m > self.k:
             raise ConfigError(f"need 1 <= m <= k, got k={self.k}, m={self.m}")
-        if not self.tau > 0:
+        if self.tau is not None and not self.tau > 0:
             raise ConfigError(f"tau must be > 0, got {self.tau}")
         if self.scope not in ("topk", "bank"):
             raise ConfigError(f"scope must be 'topk' or 'bank', got {self.scope!r}")
@@ -181,13 +182,15 @@ class ServeConfig:
         self.learner_config()  # raises ConfigError on a bad learner section
         return self
 
-    def learner_config(self) -> LearnerConfig:
+    def learner_config(self, normalized_encoder: bool = False) -> LearnerConfig:
+        """The recipe's settings for this encoder (`auto`: sharper τ for L2-normalised ones), then
+        `tau` and the `learner` section on top."""
         known = {f.name for f in dataclasses.fields(LearnerConfig)}
         unknown = sorted(set(self.learner) - known)
         if unknown:
             raise ConfigError(f"learner: unknown key(s) {unknown}; known: {sorted(known)}")
         try:
-            return LearnerConfig(**{"tau": self.tau, **self.learner})
+            return recipe_config(self.recipe, normalized_encoder, **{"tau": self.tau, **self.learner})
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"learner: {exc}") from exc
 

@@ -33,7 +33,7 @@ import torch
 from rmm.bank import EncoderLike, MemoryBank
 from rmm.citations import parse_citations, parse_json_citations
 from rmm.errors import UnknownMemoryError, UnknownUserError
-from rmm.learner import Learner, rewards_from_citations
+from rmm.learner import Learner, is_normalized_encoder, rewards_from_citations
 from rmm.reranker import ResidualLinearReranker
 from rmm.serve.config import ServeConfig, key_digest
 from rmm.serve.errors import BadRequestError, NoOpenSessionError
@@ -181,7 +181,7 @@ class RetrievalService:
         self.encoder = _LockedEncoder(encoder)
         path = config.bank_path
         self.bank = MemoryBank(path, self.encoder, index_backend=config.index_backend, device=config.device)
-        self.learner_config = config.learner_config()
+        self.learner_config = config.learner_config(is_normalized_encoder(encoder))
         if llm is None and config.llm:
             from rmm.llm import load_llm
 
@@ -413,7 +413,7 @@ class RetrievalService:
             m_max = max(items[i].m for i in positions)
             with self._learn_lock:
                 reranker = self.learner(key).reranker
-                picked = reranker.select([candidates[i] for i in positions], m_max, tau=self.config.tau,
+                picked = reranker.select([candidates[i] for i in positions], m_max, tau=self.learner_config.tau,
                                          explore=explore, generator=self._generator)
             for i, selection in zip(positions, picked):
                 # A Gumbel top-m is the first m picks of the top-M_max (same noise): truncation is exact.
