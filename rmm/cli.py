@@ -189,9 +189,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 _goal_turn(goal, args, line)
                 continue
             response = agent.respond(args.user, line)
-            console.print(f"[bold]assistant>[/bold] {escape(response.answer)}", highlight=False)
-            for memory in response.cited:
-                console.print(f"  [dim]cited:[/dim] {escape(_short(memory.text))}", highlight=False)
+            _print_reply(response.answer, response.cited)
             if response.selection is not None and response.feedback.rewards is None:
                 console.print("  [dim](no parseable citation: the reranker skipped this answer)[/dim]")
     finally:
@@ -228,6 +226,12 @@ def _log_to_file(path: Path, verbose: bool = False) -> Callable[[], None]:
         ours.setLevel(saved[2])
 
     return restore
+
+
+def _print_reply(answer: str, cited: list) -> None:
+    console.print(f"[bold]assistant>[/bold] {escape(answer)}", highlight=False)
+    for memory in cited:
+        console.print(f"  [dim]cited:[/dim] {escape(_short(memory.text))}", highlight=False)
 
 
 def _short(text: str, width: int = 100) -> str:
@@ -292,9 +296,7 @@ def _goal_turn(goal, args: argparse.Namespace, line: str) -> None:
     from rmm.frontends.trace import print_trace
 
     response = goal.respond(args.user, line)
-    console.print(f"[bold]assistant>[/bold] {escape(response.answer)}", highlight=False)
-    for memory in response.cited:
-        console.print(f"  [dim]cited:[/dim] {escape(_short(memory.text))}", highlight=False)
+    _print_reply(response.answer, response.cited)
     print_trace(response.trace, console, show_memories=args.verbose)
     _append_trace(args.trace_json, response.trace.to_json())
 
@@ -364,7 +366,7 @@ def cmd_eval_qa(args: argparse.Namespace) -> int:
 def _print_qa(report) -> None:
     simulated = report.simulated
     title = (f"{report.dataset} QA through the agent · {report.llm} · {report.granularity} memories"
-             + (" · goal front end (GOAL-MEM)" if getattr(report, "frontend", "direct") == "goal" else ""))
+             + (" · goal front end (GOAL-MEM)" if report.frontend == "goal" else ""))
     table = Table(title=title, caption="simulated generator: no answers, so no judge or F1 — citation and "
                                        "recall figures only" if simulated else "judge = LLM-judge accuracy (%)")
     columns = ["cited precision", "shown recall"] if simulated else ["judge", "F1", "cited precision", "shown recall"]

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from functools import cache
 from importlib import resources
 
+from rmm.citations import parse_citations, parse_json_citations
 from rmm.llm.base import Message
 from rmm.prompts.parse import PromptParseError
 from rmm.types import Memory, Session, Turn
@@ -188,7 +189,6 @@ def _answer_section(conversation: Sequence[Message]) -> str | None:
 
 
 _EXAMPLE_REPLY = re.compile(r"^Reply: (.+)$", re.MULTILINE)
-_TRAILING_CITATION = re.compile(r"\s*\[[^\[\]]*\]\s*$")
 
 
 def _answer_key(text: str) -> str:
@@ -199,14 +199,10 @@ def _answer_key(text: str) -> str:
 def example_answers() -> frozenset[str]:
     """The answers of the answer templates' worked examples, normalised (read from the files)."""
     answers = set()
-    for name in ("answer", "answer_structured"):
+    for name, parse in (("answer", parse_citations), ("answer_structured", parse_json_citations)):
         examples = load_template(name).template.partition(_INPUT_MARKER)[0]
-        for reply in _EXAMPLE_REPLY.findall(examples):
-            try:
-                answer = json.loads(reply)["answer"]
-            except (ValueError, KeyError, TypeError):
-                answer = _TRAILING_CITATION.sub("", reply)
-            answers.add(_answer_key(answer))
+        shown = examples.count(_MEMORY_LINE.strip())  # every index an example cites is below this
+        answers.update(_answer_key(parse(reply, shown).answer) for reply in _EXAMPLE_REPLY.findall(examples))
     return frozenset(a for a in answers if a)
 
 
