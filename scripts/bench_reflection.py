@@ -18,6 +18,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,24 +61,21 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, MemoryBank(Path(tmp) / "bank", load_encoder(args.encoder)) as bank:
         reflector = ProspectiveReflector(bank, llm, max_tokens=args.max_tokens, structured=args.structured)
         for session in sessions:
-            before_usage = Usage()
-            if llm is not None:
-                before_usage.add(llm.usage)
-            before = (reflector.stats.added, reflector.stats.merged, reflector.stats.extraction_failures,
-                      reflector.stats.update_failures)
+            usage_before = replace(llm.usage) if llm is not None else Usage()
+            stats_before = replace(reflector.stats)
             t0 = time.perf_counter()
             reflector.reflect(session)
             wall = time.perf_counter() - t0
-            after = (reflector.stats.added, reflector.stats.merged, reflector.stats.extraction_failures,
-                     reflector.stats.update_failures)
-            used = llm.usage if llm is not None else Usage()
+            usage, stats = (llm.usage if llm is not None else Usage()), reflector.stats
             rows.append({
                 "session": session.id, "turns": len(session.turns),
-                "calls": used.calls - before_usage.calls,
-                "prompt": used.prompt_tokens - before_usage.prompt_tokens,
-                "completion": used.completion_tokens - before_usage.completion_tokens,
-                "seconds": wall, "added": after[0] - before[0], "merged": after[1] - before[1],
-                "failures": after[2] - before[2] + after[3] - before[3],
+                "calls": usage.calls - usage_before.calls,
+                "prompt": usage.prompt_tokens - usage_before.prompt_tokens,
+                "completion": usage.completion_tokens - usage_before.completion_tokens,
+                "seconds": wall, "added": stats.added - stats_before.added,
+                "merged": stats.merged - stats_before.merged,
+                "failures": (stats.extraction_failures - stats_before.extraction_failures
+                             + stats.update_failures - stats_before.update_failures),
             })
         memories = len(bank.memories(args.conversation))
     if llm is not None:
