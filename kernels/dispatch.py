@@ -6,7 +6,7 @@ reference, so every caller has a path that runs anywhere. `RMM_KERNEL_BACKEND=to
 overrides "auto" (an operator's escape hatch when a kernel misbehaves on some GPU).
 
 Randomness: with `seed` both backends draw the same counter-based Philox uniforms. Without it,
-the torch backend uses `generator` (or the global RNG) exactly like `rmm.sampling`, and the
+the torch backend uses `generator` (or the global RNG) exactly like `rmm.policy.sampling`, and the
 Triton backend draws its seed from that generator — repeatable for a seeded generator, though
 not the same picks as on CPU.
 """

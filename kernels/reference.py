@@ -10,7 +10,7 @@ Noise comes from one of two sources, chosen by the caller:
   gives the same uniforms on CPU and in the kernel, which is what lets tests compare the two
   exactly (the Gumbel transform on top may differ by an ulp: `log` is not correctly rounded);
 - a **torch.Generator** (or the global RNG): `torch.rand` uniforms, identical to
-  `rmm.sampling.gumbel_noise`, so the reranker's CPU behaviour for a given generator is unchanged.
+  `rmm.policy.sampling.gumbel_noise`, so the reranker's CPU behaviour for a given generator is unchanged.
 
 Conventions shared with the kernel: `ids == -1` marks padding; padded scores are `-inf`; a pick
 that finds no valid candidate left is `-1` with log-probability 0; ties go to the lower index.
@@ -96,7 +96,7 @@ def philox_uniform(seed: int, offsets: Tensor) -> Tensor:
 
 
 def gumbel_from_uniform(u: Tensor) -> Tensor:
-    """`-log(-log u)` with `u` kept inside (0, 1) as in `rmm.sampling.gumbel_noise` (finite noise)."""
+    """`-log(-log u)` with `u` kept inside (0, 1) as in `rmm.policy.sampling.gumbel_noise` (finite noise)."""
     finfo = torch.finfo(u.dtype)
     u = u.clamp(min=finfo.tiny, max=1.0 - finfo.eps)
     return -torch.log(-torch.log(u))
@@ -112,7 +112,7 @@ def seeded_gumbel(seed: int, batch: int, k: int, device: torch.device | str | No
 def stream_gumbel(
     batch: int, k: int, generator: torch.Generator | None, device: torch.device | str | None = None
 ) -> Tensor:
-    """Gumbel noise `[batch, k]` from torch's RNG, the same draws as `rmm.sampling.gumbel_noise`.
+    """Gumbel noise `[batch, k]` from torch's RNG, the same draws as `rmm.policy.sampling.gumbel_noise`.
 
     The uniforms are drawn where the generator lives (a CPU generator may seed CUDA work).
     """

@@ -2,7 +2,7 @@
 
 Plain dataclasses: dialogue (`Turn`, `Session`), what the bank stores (`Memory`), what a
 benchmark asks (`Question`, `Dataset`), and what retrieval hands to the reranker and the learner
-(`Candidates`, `Selection`).
+(`Candidates`, `Selection`), and one chat message for any LLM (`Message`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
+
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
 MemoryKind = Literal["turn", "session", "topic"]
 MEMORY_KINDS: tuple[str, ...] = ("turn", "session", "topic")

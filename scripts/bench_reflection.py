@@ -36,11 +36,11 @@ def main() -> int:
                         help="extraction under the JSON schema (constrained decoding on a server)")
     args = parser.parse_args()
 
-    from rmm.bank import MemoryBank
     from rmm.data import load_dataset
     from rmm.encoders import load_encoder
     from rmm.llm import Usage, load_llm
     from rmm.llm.hf import packaged_gguf
+    from rmm.memory.bank import MemoryBank
     from rmm.reflection import ProspectiveReflector
 
     dataset = load_dataset("locomo", download=False)

@@ -4,7 +4,7 @@
 Reranker turn = `select` (score K=20 candidates, Gumbel top-M=5, Plackett–Luce logp) + `record`
 (+1/−1 rewards) + the amortised REINFORCE update (one Adam step every 4 turns). Retrieval turn =
 exact search of one query over a per-user bank (N=600 and N=10k random d-dim vectors) with
-`rmm.index.TorchIndex` (plain torch matmul+topk when that module is unavailable) and, with
+`rmm.memory.index.TorchIndex` (plain torch matmul+topk when that module is unavailable) and, with
 `--with-encoder`, MiniLM query encoding through `rmm.encoders.load_encoder("minilm")` (384-d
 only). Goal: reranker < 1 ms per turn and < 10% of retrieval including encoding.
 
@@ -33,8 +33,8 @@ from collections.abc import Callable
 
 import torch
 
-from rmm.learner import Learner, LearnerConfig, rewards_from_citations
-from rmm.reranker import ResidualLinearReranker
+from rmm.policy.learner import Learner, LearnerConfig, rewards_from_citations
+from rmm.policy.reranker import ResidualLinearReranker
 from rmm.types import Candidates
 
 K, M, BATCH = 20, 5, 4
@@ -107,7 +107,7 @@ def bench_retrieval(dim: int, n: int, turns: int, repeats: int) -> tuple[float, 
     queries = torch.nn.functional.normalize(torch.randn(256, dim, generator=gen), dim=1)
     state = {"i": 0}
     try:
-        from rmm.index import TorchIndex
+        from rmm.memory.index import TorchIndex
 
         index = TorchIndex(dim, device="cpu")
         index.add([f"m{i}" for i in range(n)], vectors)

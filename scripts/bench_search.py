@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark vector search: exact torch vs faiss flat / IVF / HNSW (rmm.index wrappers).
+"""Benchmark vector search: exact torch vs faiss flat / IVF / HNSW (rmm.memory.index wrappers).
 
 For each size: random unit-norm float32 vectors (default 384-d, the MiniLM size), build each
 index, then time single-query search (p50 over `--queries` queries) and batch-64 search (time per
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rmm.index import FaissIndex, TorchIndex, VectorIndex
+from rmm.memory.index import FaissIndex, TorchIndex, VectorIndex
 
 
 @dataclass

@@ -51,10 +51,10 @@ class Row:
 
 def build_bank(bank: Path, data_dir: str | None, conversations: int | None) -> list[tuple[str, str]]:
     """The LoCoMo turn bank under tenant `bench` (built once); returns (user, question) pairs."""
-    from rmm.bank import MemoryBank
-    from rmm.corpus import documents
     from rmm.data import load_dataset
     from rmm.encoders import load_encoder
+    from rmm.eval.benchmark_bank import documents
+    from rmm.memory.bank import MemoryBank
     from rmm.serve.service import scoped
 
     dataset = load_dataset("locomo", data_dir=data_dir)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from fakes import BagOfWordsEncoder
 
-from rmm.agent import ASSISTANT, Agent
-from rmm.bank import MemoryBank
-from rmm.learner import LearnerConfig
+from rmm.frontends.agent import ASSISTANT, Agent
 from rmm.llm.base import LLM, Message, Usage
+from rmm.memory.bank import MemoryBank
+from rmm.policy.learner import LearnerConfig
 from rmm.prompts import is_answer_prompt, parse_shown_memories
 from rmm.reflection import ProspectiveReflector
 from rmm.types import Memory

@@ -14,9 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from rmm.bank import BANK_FILE, INDEX_DIR, STORE_FILE, MemoryBank
-from rmm.errors import CorruptFileError, DimensionMismatchError, EncoderMismatchError, UnknownMemoryError, UnknownUserError
-from rmm.store import DuplicateMemoryError, MemoryStore
+from rmm.errors import (
+    CorruptFileError,
+    DimensionMismatchError,
+    EncoderMismatchError,
+    UnknownMemoryError,
+    UnknownUserError,
+)
+from rmm.memory.bank import BANK_FILE, INDEX_DIR, STORE_FILE, MemoryBank
+from rmm.memory.store import DuplicateMemoryError, MemoryStore
 from rmm.types import Candidates, Memory
 
 
@@ -229,7 +235,7 @@ def test_stale_index_file_is_rebuilt(tmp_path: Path, encoder: FakeEncoder, caplo
     with MemoryStore(path / STORE_FILE) as store:
         extra = Memory(id="bike", user_id="alice", kind="turn", text="she bought a red bicycle")
         store.add([extra], encoder.encode_passages([extra.text]))
-    with MemoryBank(path, encoder, device="cpu") as bank, caplog.at_level(logging.INFO, logger="rmm.bank"):
+    with MemoryBank(path, encoder, device="cpu") as bank, caplog.at_level(logging.INFO, logger="rmm.memory.bank"):
         (c,) = bank.search(["red bicycle"], "alice", k=1)
     assert c.memory_ids == ["bike"] and "stale" in caplog.text
 
@@ -241,7 +247,7 @@ def test_corrupt_index_file_is_rebuilt_transparently(tmp_path: Path, encoder: Fa
         expected = bank.search(["curry"], "alice", k=2)[0].memory_ids
     (index_file,) = (path / INDEX_DIR).iterdir()
     index_file.write_bytes(b"\x13\x00\x00\x00not an index at all")
-    with MemoryBank(path, encoder, device="cpu") as bank, caplog.at_level(logging.WARNING, logger="rmm.bank"):
+    with MemoryBank(path, encoder, device="cpu") as bank, caplog.at_level(logging.WARNING, logger="rmm.memory.bank"):
         assert bank.search(["curry"], "alice", k=2)[0].memory_ids == expected
     assert "unreadable" in caplog.text
     assert index_file.read_bytes()[:8] != b"\x13\x00\x00\x00not " and index_file.stat().st_size > 100  # rewritten
@@ -309,7 +315,7 @@ import importlib.util, os, sys
 spec = importlib.util.spec_from_file_location("bank_test_module", {str(Path(__file__))!r})
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-from rmm.bank import MemoryBank
+from rmm.memory.bank import MemoryBank
 from rmm.types import Memory
 bank = MemoryBank(sys.argv[1], module.FakeEncoder(), device="cpu")
 bank.add("alice", [Memory(id="bike", user_id="alice", kind="turn", text="she bought a red bicycle")])

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rmm.bm25 import BM25Retriever
 from rmm.errors import UnknownUserError
-from rmm.store import MemoryStore
+from rmm.memory.bm25 import BM25Retriever
+from rmm.memory.store import MemoryStore
 from rmm.types import Candidates, Memory
 
 TEXTS = {

@@ -12,8 +12,8 @@ import rmm.encoders
 import rmm.llm
 from rmm.cli import main
 from rmm.llm.base import LLM, Usage
+from rmm.memory.store import MemoryStore
 from rmm.prompts import is_answer_prompt, parse_shown_memories
-from rmm.store import MemoryStore
 
 
 class ChatLLM(LLM):
@@ -106,9 +106,9 @@ def isolated_cache(tmp_path, monkeypatch):
     """A private cache, and the bag-of-words encoder in place of MiniLM (speed: the tiny
     dataset's questions share words with their evidence)."""
     monkeypatch.setenv("RMM_CACHE_DIR", str(tmp_path / "cache"))
-    import rmm.corpus
+    import rmm.eval.benchmark_bank
 
-    monkeypatch.setattr(rmm.corpus, "load_encoder", lambda name, **kw: BagOfWordsEncoder())
+    monkeypatch.setattr(rmm.eval.benchmark_bank, "load_encoder", lambda name, **kw: BagOfWordsEncoder())
 
 
 def test_eval_topic_granularity_side_by_side(tiny_data_dir, tmp_path, capsys, isolated_cache) -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rmm.citations import Citation, format_response, parse_citations, parse_json_citations
+from rmm.policy.citations import Citation, format_response, parse_citations, parse_json_citations
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_last_marker_wins_with_a_warning() -> None:
 
 
 def test_bad_indices_are_dropped_with_warnings(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="rmm.citations"):
+    with caplog.at_level(logging.WARNING, logger="rmm.policy.citations"):
         r = parse_citations("ok [0, 0, -1, 9, 2]", 5)
     assert r.cited == [0, 2]
     assert len(r.warnings) == 3 and "duplicate" in caplog.text and "out-of-range" in caplog.text

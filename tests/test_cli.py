@@ -7,8 +7,8 @@ import json
 import pytest
 
 from rmm.cli import main
-from rmm.corpus import documents, open_retriever
 from rmm.data import load_dataset
+from rmm.eval.benchmark_bank import documents, open_retriever
 
 
 @pytest.fixture(autouse=True)

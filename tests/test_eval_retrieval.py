@@ -7,7 +7,7 @@ import torch
 
 from rmm.data.locomo import load_locomo
 from rmm.eval.retrieval import GoldScorer, evaluate, scorable
-from rmm.store import MemoryStore
+from rmm.memory.store import MemoryStore
 from rmm.types import Candidates, Memory
 
 

@@ -11,12 +11,12 @@ from fakes import BagOfWordsEncoder, drive
 
 import rmm.encoders
 import rmm.llm
-from rmm.bank import MemoryBank
 from rmm.cli import main
 from rmm.data import load_locomo
 from rmm.eval.goal_recall import evaluate_goal_recall
 from rmm.frontends.goal import GoalConfig
 from rmm.llm.base import LLM, Usage
+from rmm.memory.bank import MemoryBank
 from rmm.types import Memory
 
 
@@ -53,7 +53,7 @@ def scripted(monkeypatch) -> list[OneHopLLM]:
 
     def load_llm(spec: str, **options):
         if spec == "simulated":
-            from rmm.llm.simulated_backend import SimulatedLLM
+            from rmm.llm.simulated import SimulatedLLM
 
             return SimulatedLLM()
         made.append(OneHopLLM())
@@ -97,9 +97,9 @@ def test_goal_front_end_refuses_the_simulated_llm(tiny_data_dir: Path, tmp_path:
 @pytest.fixture
 def isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RMM_CACHE_DIR", str(tmp_path / "cache"))
-    import rmm.corpus
+    import rmm.eval.benchmark_bank
 
-    monkeypatch.setattr(rmm.corpus, "load_encoder", lambda name, **kw: BagOfWordsEncoder())
+    monkeypatch.setattr(rmm.eval.benchmark_bank, "load_encoder", lambda name, **kw: BagOfWordsEncoder())
 
 
 def test_eval_qa_through_the_goal_front_end(tiny_data_dir, tmp_path, capsys, scripted, isolated_cache) -> None:
@@ -134,7 +134,7 @@ def test_eval_goal_compares_recall_at_equal_budget(tiny_data_dir, tmp_path, caps
 
 def test_evaluate_goal_recall_respects_the_budget(tiny_data_dir, tmp_path) -> None:
     dataset = load_locomo(tiny_data_dir / "locomo" / "locomo10.json")
-    from rmm.corpus import fill
+    from rmm.eval.benchmark_bank import fill
 
     with MemoryBank(tmp_path / "bank", BagOfWordsEncoder(), device="cpu") as bank:
         fill(bank, dataset, "turn", progress=False)

@@ -16,8 +16,7 @@ import pytest
 from fakes import BagOfWordsEncoder
 from rich.console import Console
 
-from rmm.agent import Agent
-from rmm.bank import MemoryBank
+from rmm.frontends.agent import Agent
 from rmm.frontends.goal import (
     GoalConfig,
     GoalFrontend,
@@ -26,9 +25,10 @@ from rmm.frontends.goal import (
     retrieval_query,
 )
 from rmm.frontends.trace import GoalTrace, render_trace
-from rmm.learner import LearnerConfig
 from rmm.llm.base import LLM, Usage
-from rmm.llm.simulated_backend import SimulatedLLM
+from rmm.llm.simulated import SimulatedLLM
+from rmm.memory.bank import MemoryBank
+from rmm.policy.learner import LearnerConfig
 from rmm.types import Memory
 
 Reply = str | Callable[[str], str]

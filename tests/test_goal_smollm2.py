@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from rmm.agent import Agent
-from rmm.bank import MemoryBank
-from rmm.corpus import documents
+from rmm.eval.benchmark_bank import documents
+from rmm.frontends.agent import Agent
 from rmm.frontends.goal import GoalConfig, GoalFrontend
 from rmm.frontends.trace import GoalTrace
+from rmm.memory.bank import MemoryBank
 
 pytestmark = pytest.mark.slow
 

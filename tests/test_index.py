@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rmm.errors import CorruptFileError, DimensionMismatchError, UnknownMemoryError
-from rmm.index import BACKENDS, FaissIndex, TorchIndex, VectorIndex, index_file_info, load_index, make_index
+from rmm.memory.index import BACKENDS, FaissIndex, TorchIndex, VectorIndex, index_file_info, load_index, make_index
 
 DIM = 16
 # Small IVF threshold so the trained path runs on test-sized data.
@@ -167,7 +167,7 @@ def test_faiss_flat_equals_torch_exact() -> None:
 
 def test_ivf_falls_back_to_flat_below_threshold_then_trains(caplog: pytest.LogCaptureFixture) -> None:
     index = FaissIndex(DIM, "ivf", train_threshold=500, nlist=10)
-    with caplog.at_level(logging.INFO, logger="rmm.index"):
+    with caplog.at_level(logging.INFO, logger="rmm.memory.index"):
         index.add(ids_for(100), unit(100))
     assert not index.is_trained_ivf and "train_threshold" in caplog.text
     x = unit(100)

@@ -1,4 +1,4 @@
-"""The fused rerank step: torch reference vs rmm.sampling, Triton kernel vs reference, dispatch.
+"""The fused rerank step: torch reference vs rmm.policy.sampling, Triton kernel vs reference, dispatch.
 
 The kernel runs here in Triton's CPU interpreter when triton is installed (small sizes: the
 interpreter is slow) and compiled on CUDA when a GPU is present (`-m gpu`). Triton reads
@@ -33,7 +33,7 @@ from rmm.kernels.reference import (
 
 from rmm.device import default_dtype, resolve_device
 from rmm.errors import DimensionMismatchError
-from rmm.sampling import gumbel_noise, gumbel_top_m, plackett_luce_logp, top_m
+from rmm.policy.sampling import gumbel_noise, gumbel_top_m, plackett_luce_logp, top_m
 
 
 def _kernel_skip_reason() -> str | None:
@@ -108,7 +108,7 @@ def test_seeded_gumbel_is_gumbel_distributed() -> None:
     torch.testing.assert_close(gumbel_from_uniform(torch.tensor([0.0, 1.0])).isfinite(), torch.tensor([True, True]))
 
 
-# ---- reference vs rmm.sampling ---------------------------------------------------------------
+# ---- reference vs rmm.policy.sampling ---------------------------------------------------------------
 def test_reference_stream_noise_equals_sampling_gumbel_noise() -> None:
     a = stream_gumbel(4, 9, torch.Generator().manual_seed(11))
     b = gumbel_noise((4, 9), generator=torch.Generator().manual_seed(11))
@@ -302,7 +302,7 @@ def test_gpu_kernel_matches_reference_at_serving_sizes(dtype: torch.dtype) -> No
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="needs a CUDA device")
 def test_gpu_reranker_select_runs_the_kernel() -> None:
-    from rmm.reranker import ResidualLinearReranker
+    from rmm.policy.reranker import ResidualLinearReranker
     from rmm.types import Candidates
 
     assert resolve_backend("auto", torch.device("cuda"), 20, 5) == "triton"
@@ -334,9 +334,9 @@ def test_device_auto_resolves_by_cuda_availability(monkeypatch: pytest.MonkeyPat
 
 
 def test_auto_device_components_run_on_cpu_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rmm.index import TorchIndex
-    from rmm.learner import Learner
-    from rmm.reranker import ResidualLinearReranker
+    from rmm.memory.index import TorchIndex
+    from rmm.policy.learner import Learner
+    from rmm.policy.reranker import ResidualLinearReranker
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     index = TorchIndex(4, device="auto")

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import rmm.learner as learner_module
+import rmm.policy.learner as learner_module
 from rmm.errors import CheckpointError, DimensionMismatchError, EncoderMismatchError
-from rmm.learner import Learner, LearnerConfig, rewards_from_citations
-from rmm.reranker import ResidualLinearReranker
-from rmm.sampling import plackett_luce_logp
+from rmm.policy.learner import Learner, LearnerConfig, rewards_from_citations
+from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.sampling import plackett_luce_logp
 from rmm.types import Candidates, Selection
 
 D, K, M = 8, 10, 3
@@ -156,7 +156,7 @@ def test_nonfinite_update_is_skipped_and_parameters_untouched(bad: float, caplog
     poisoned.candidates.embeddings[0, 0] = bad
     before = [p.detach().clone() for p in learner.reranker.parameters()]
     learner.record(good, torch.tensor([1.0, -1.0, -1.0]))
-    with caplog.at_level(logging.WARNING, logger="rmm.learner"):
+    with caplog.at_level(logging.WARNING, logger="rmm.policy.learner"):
         assert learner.record(poisoned, torch.tensor([1.0, -1.0, 1.0])) is None
     assert "skipped" in caplog.text
     assert learner.stats.skipped_nonfinite == 1 and learner.stats.step == 0 and learner.stats.updates == 1

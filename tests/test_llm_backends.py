@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rmm.citations import parse_citations, parse_json_citations
 from rmm.errors import LLMError, ModelNotFoundError
 from rmm.llm import load_llm, parse_spec
-from rmm.llm.simulated import SimulatedCiter
-from rmm.llm.simulated_backend import SimulatedLLM
+from rmm.llm.simulated import SimulatedCiter, SimulatedLLM
+from rmm.policy.citations import parse_citations, parse_json_citations
 from rmm.prompts import (
     ANSWER_SCHEMA,
     answer_messages,

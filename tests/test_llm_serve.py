@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rmm.errors import LLMError
-from rmm.llm.serve import server_command, start_vllm_server, stop_server
+from rmm.llm.vllm_server import server_command, start_vllm_server, stop_server
 
 FAKE_SERVER = """
 import argparse, json, sys, time

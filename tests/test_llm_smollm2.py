@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rmm.citations import Citation, parse_citations
 from rmm.llm.hf import HFLLM, convert_gguf
+from rmm.policy.citations import Citation, parse_citations
 from rmm.prompts import (
     PromptParseError,
     answer_messages,

@@ -8,10 +8,10 @@ import pytest
 import torch
 from rmm.training.online import OnlineConfig, OnlineTrainer, split_questions
 
-from rmm.bank import MemoryBank
-from rmm.corpus import fill
-from rmm.learner import recipe_for
-from rmm.retrieve import RerankedRetriever
+from rmm.eval.benchmark_bank import fill
+from rmm.memory.bank import MemoryBank
+from rmm.policy.learner import recipe_for
+from rmm.policy.retrieve import RerankedRetriever
 from rmm.types import Dataset, Question, Session, Turn
 
 DIM = 16

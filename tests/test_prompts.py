@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rmm.citations import parse_citations, parse_json_citations
+from rmm.policy.citations import parse_citations, parse_json_citations
 from rmm.prompts import (
     ANSWER_SCHEMA,
     ExtractedMemory,

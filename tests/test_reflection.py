@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rmm.bank import MemoryBank
 from rmm.errors import LLMError
 from rmm.llm.base import LLM, Message, Usage
+from rmm.memory.bank import MemoryBank
 from rmm.reflection import (
     EXTRACTIVE_LABEL,
     ProspectiveReflector,
@@ -272,7 +272,7 @@ def test_settings_key_changes_with_settings(bank: MemoryBank) -> None:
 
 
 def test_fill_topics_resumes_an_interrupted_build(bank: MemoryBank) -> None:
-    from rmm.corpus import documents, fill_topics
+    from rmm.eval.benchmark_bank import documents, fill_topics
     from rmm.types import Dataset
 
     dataset = Dataset("tiny", {"u": [session("u:S1"), session("u:S2", COOKING)],

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rmm.errors import DimensionMismatchError
-from rmm.reranker import ResidualLinearReranker
-from rmm.sampling import plackett_luce_logp
+from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.sampling import plackett_luce_logp
 from rmm.types import Candidates
 
 DIM = 12

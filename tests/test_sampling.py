@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rmm.sampling import gumbel_noise, gumbel_top_m, paper_literal_logp, plackett_luce_logp, top_m
+from rmm.policy.sampling import gumbel_noise, gumbel_top_m, paper_literal_logp, plackett_luce_logp, top_m
 
 
 def pl_probability(logits: list[float], order: tuple[int, ...]) -> float:

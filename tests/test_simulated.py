@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from rmm.citations import parse_citations
 from rmm.llm.simulated import SimulatedCiter
+from rmm.policy.citations import parse_citations
 
 
 def gold_patterns(n: int, seed: int = 0, shown: int = 5) -> list[list[bool]]:

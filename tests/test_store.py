@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rmm.errors import CorruptFileError, DimensionMismatchError, UnknownMemoryError, UnknownUserError
-from rmm.store import SCHEMA_VERSION, DuplicateMemoryError, MemoryStore
+from rmm.memory.store import SCHEMA_VERSION, DuplicateMemoryError, MemoryStore
 from rmm.types import Memory
 
 

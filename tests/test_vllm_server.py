@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 from fakes import BagOfWordsEncoder
 
-from rmm.agent import Agent
-from rmm.bank import MemoryBank
+from rmm.frontends.agent import Agent
 from rmm.llm import load_llm
 from rmm.llm.hf import convert_gguf
 from rmm.llm.openai import OpenAILLM
-from rmm.llm.serve import start_vllm_server, stop_server
+from rmm.llm.vllm_server import start_vllm_server, stop_server
+from rmm.memory.bank import MemoryBank
 from rmm.types import Memory
 
 pytestmark = pytest.mark.vllm

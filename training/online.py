@@ -31,13 +31,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rmm.bank import MemoryBank
-from rmm.citations import parse_citations
 from rmm.eval.retrieval import GoldScorer, RetrievalReport, scorable, summarize
-from rmm.learner import Learner, LearnerConfig, rewards_from_citations
 from rmm.llm.simulated import SimulatedCiter
-from rmm.reranker import ResidualLinearReranker
-from rmm.retrieve import RerankedRetriever
+from rmm.memory.bank import MemoryBank
+from rmm.policy.citations import parse_citations
+from rmm.policy.learner import Learner, LearnerConfig, rewards_from_citations
+from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.retrieve import RerankedRetriever
 from rmm.types import Candidates, Dataset, Question
 
 log = logging.getLogger(__name__)

@@ -89,8 +89,8 @@ def split_users(users: Sequence[str], val_fraction: float, test_fraction: float,
 
 
 def turn_texts(dataset: Dataset, user: str) -> dict[str, str]:
-    """Turn id → the text the turn bank embeds (`rmm.corpus.documents`, turn granularity)."""
-    from rmm.corpus import documents
+    """Turn id → the text the turn bank embeds (`rmm.eval.benchmark_bank.documents`, turn granularity)."""
+    from rmm.eval.benchmark_bank import documents
 
     return {m.id: m.text for m in documents(dataset, user, "turn")}
 
@@ -526,9 +526,9 @@ def evaluate_heldout(encoder: Encoder, dataset: Dataset, users: Sequence[str], k
     """Recall@ks of `encoder` on the held-out users' questions (bank of those users only, plus the
     training users when the online reranker is trained on top), and, with `rerank`, the reranker's
     held-out recall after online training on the training users' questions."""
-    from rmm.bank import MemoryBank
-    from rmm.corpus import fill
+    from rmm.eval.benchmark_bank import fill
     from rmm.eval.retrieval import evaluate
+    from rmm.memory.bank import MemoryBank
 
     _sync_encoder_device(encoder)
     bank_users = list(users) + ([u for u in train_users if u not in users] if rerank else [])
@@ -549,7 +549,7 @@ def _online_rerank(dataset: Dataset, bank: Any, train_users: list[str], test_use
     from rmm.training.online import OnlineConfig, OnlineTrainer, Split
 
     from rmm.eval.retrieval import GoldScorer, scorable
-    from rmm.learner import recipe_for
+    from rmm.policy.learner import recipe_for
 
     recipe = recipe_for(cfg.rerank_recipe, bank.encoder.config.normalize)
     online = OnlineConfig(**recipe, epochs=cfg.rerank_epochs, seed=cfg.seed)

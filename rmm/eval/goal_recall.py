@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from rmm.agent import Agent
 from rmm.eval.retrieval import GoldScorer
+from rmm.frontends.agent import Agent
 from rmm.frontends.goal import GoalConfig, GoalFrontend
 from rmm.frontends.trace import GoalTrace
-from rmm.retrieve import RerankedRetriever
-from rmm.session_log import SessionLog
+from rmm.memory.sessions import SessionLog
+from rmm.policy.retrieve import RerankedRetriever
 from rmm.types import Dataset, Question
 
 if TYPE_CHECKING:
-    from rmm.bank import MemoryBank
     from rmm.llm.base import LLM
+    from rmm.memory.bank import MemoryBank
 
 __all__ = ["GoalRecallReport", "evaluate_goal_recall"]
 

@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from rmm.agent import Agent
 from rmm.eval.retrieval import SEPARATE_CATEGORIES, GoldScorer
+from rmm.frontends.agent import Agent
 from rmm.llm.simulated import SimulatedCiter
-from rmm.session_log import SessionLog
+from rmm.memory.sessions import SessionLog
 from rmm.types import Dataset, Memory, Turn
 
 if TYPE_CHECKING:
-    from rmm.bank import MemoryBank
     from rmm.frontends.goal import GoalConfig
     from rmm.llm.base import LLM
+    from rmm.memory.bank import MemoryBank
 
 __all__ = ["QAReport", "evaluate_qa", "normalize_answer", "token_f1"]
 

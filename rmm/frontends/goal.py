@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from rmm.citations import parse_citations
 from rmm.errors import RmmError
 from rmm.frontends.trace import (
     BreadthStep,
@@ -64,6 +63,8 @@ from rmm.frontends.trace import (
     RefineRecord,
     UnifyRecord,
 )
+from rmm.policy.citations import parse_citations
+from rmm.policy.retrieve import RerankedRetriever
 from rmm.prompts import (
     Decomposition,
     PromptParseError,
@@ -75,12 +76,11 @@ from rmm.prompts import (
     refine_messages,
     unify_messages,
 )
-from rmm.retrieve import RerankedRetriever
 from rmm.types import Memory, Selection, Turn
 
 if TYPE_CHECKING:
-    from rmm.agent import Agent
-    from rmm.llm.base import Message
+    from rmm.frontends.agent import Agent
+    from rmm.types import Message
 
 __all__ = ["GoalConfig", "GoalFrontend", "GoalFrontendError", "GoalResponse", "ground_goal", "retrieval_query"]
 
@@ -212,7 +212,7 @@ class GoalFrontend:
         answer, cited, facts = self._answer(q, branch)
         self._learn(q, set(cited))
         if remember:
-            from rmm.agent import ASSISTANT
+            from rmm.frontends.agent import ASSISTANT
 
             self.agent.sessions.append(user, [(user, query), (ASSISTANT, answer)])
         self._maybe_checkpoint(user)

@@ -60,8 +60,7 @@ def load_llm(spec: str, **options: Any) -> LLM:
         from rmm.llm.vllm_engine import VLLMEngine
 
         return VLLMEngine(args["path"], **options)
-    from rmm.llm.simulated import SimulatedCiter
-    from rmm.llm.simulated_backend import SimulatedLLM
+    from rmm.llm.simulated import SimulatedCiter, SimulatedLLM
 
     citer = options.pop("citer", None)
     oracle = options.pop("oracle", None)

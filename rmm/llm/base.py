@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import Self
 
 from rmm.errors import LLMError
+from rmm.types import Message
 
 __all__ = ["LLM", "Message", "Usage", "check_batch"]
-
-Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
 _ROLES = frozenset({"system", "user", "assistant"})
 

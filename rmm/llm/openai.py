@@ -15,7 +15,7 @@ fields instead — pick them with `structured=`:
 * `"guided_json"` — older vLLM's extra body `{"guided_json": schema}`;
 * `"prompt"` — no constrained decoding; the schema is only requested in the prompt.
 
-Start a server (see `rmm.llm.serve`):
+Start a server (see `rmm.llm.vllm_server`):
 `python -m vllm.entrypoints.openai.api_server --model PATH --host 127.0.0.1 --port 8000`
 (or `vllm serve PATH`), then use the spec `openai:http://127.0.0.1:8000/v1@PATH`.
 The API key comes from `api_key=`, else `$RMM_LLM_API_KEY`, else `$OPENAI_API_KEY` (none is sent

@@ -1,4 +1,5 @@
-"""Simulated attribution: a citer with the paper's measured precision/recall (DESIGN.md §4).
+"""The simulated generator: an attribution model with the paper's measured precision/recall,
+and the LLM backend that answers with its citations (DESIGN.md §4).
 
 No LLM weights exist on our machines, so online learning is measured with a citer that knows
 which shown memories hit gold evidence: each gold-hitting memory is cited with probability
@@ -9,19 +10,30 @@ Precision here is micro precision, `E[true cites] / E[all cites]`: expected true
 `recall·n_gold`, so expected false cites are `recall·n_gold·(1−p)/p`, spread uniformly over the
 non-gold shown memories (a per-memory rate capped at 1 — with few non-gold memories shown the
 target precision may be unreachable from below, never from above).
+
+`SimulatedLLM` puts the citer behind the LLM interface. The prompt does not say which shown
+memories hit gold evidence, so the caller (the evaluator, which knows the question's gold)
+supplies an `oracle`: a callable from the memory texts an answer prompt showed (in shown order)
+to one bool per memory. Every reply is labelled "[simulated answer]"; extraction, update and
+judge prompts raise LLMError.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from rmm.citations import format_response
+from rmm.errors import LLMError
+from rmm.llm.base import LLM, Message, Usage
+from rmm.policy.citations import format_response
+from rmm.prompts import PromptParseError, parse_shown_memories
 
-__all__ = ["SimulatedCiter"]
+__all__ = ["Oracle", "SimulatedCiter", "SimulatedLLM"]
 
 
 @dataclass
@@ -67,3 +79,54 @@ class SimulatedCiter:
     def respond(self, gold_hits: Sequence[bool]) -> str:
         """A reply in the paper's format: `[simulated answer] [0, 2]` or `… [NO_CITE]`."""
         return format_response("[simulated answer]", self.cite(gold_hits))
+
+
+Oracle = Callable[[list[str]], Sequence[bool]]
+
+ANSWER_LABEL = "[simulated answer]"
+
+
+class SimulatedLLM(LLM):
+    """`generate` for answer prompts only: `[simulated answer] [0, 2]` (or JSON when asked)."""
+
+    def __init__(self, citer: SimulatedCiter | None = None, oracle: Oracle | None = None) -> None:
+        super().__init__("simulated")
+        self.citer = citer if citer is not None else SimulatedCiter()
+        self.oracle = oracle
+
+    def _hits(self, texts: list[str]) -> list[bool]:
+        if self.oracle is None:
+            raise LLMError(
+                "the simulated LLM needs an oracle (memory texts → gold hits): set llm.oracle first"
+            )
+        hits = [bool(h) for h in self.oracle(texts)]
+        if len(hits) != len(texts):
+            raise LLMError(f"oracle returned {len(hits)} hits for {len(texts)} shown memories")
+        return hits
+
+    def _generate(
+        self,
+        batch: list[list[Message]],
+        *,
+        json_schema: dict | None = None,
+        max_tokens: int = 512,
+        temperature: float = 0.0,
+    ) -> list[str]:
+        started = time.perf_counter()
+        replies: list[str] = []
+        for conversation in batch:
+            try:
+                texts = parse_shown_memories(conversation)
+            except PromptParseError as error:
+                raise LLMError(
+                    "the simulated backend only answers with citations (answer prompts from "
+                    "rmm.prompts.answer_messages); extraction, update and judging need a real LLM "
+                    f"(hf:, openai:, vllm:) — {error}"
+                ) from error
+            hits = self._hits(texts)
+            if json_schema is not None:
+                replies.append(json.dumps({"answer": ANSWER_LABEL, "citations": self.citer.cite(hits)}))
+            else:
+                replies.append(self.citer.respond(hits))
+        self._record(Usage(calls=len(batch), seconds=time.perf_counter() - started))
+        return replies

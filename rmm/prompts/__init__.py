@@ -3,7 +3,7 @@
 Templates are the `*.txt` files of this package (`string.Template`, `$name` placeholders).
 Output formats are the paper's: extraction → `{"extracted_memories": [{"summary", "reference"}]}`
 or `NO_TRAIT`; update → lines `Add()` / `Merge(index, merged_summary)`; answer → `… [0, 2]` /
-`[NO_CITE]` (parsed by `rmm.citations.parse_citations`), or `{"answer", "citations"}` under
+`[NO_CITE]` (parsed by `rmm.policy.citations.parse_citations`), or `{"answer", "citations"}` under
 structured decoding; judge → Yes / No.
 
 Parsers either return a result or raise `PromptParseError` — never anything else — and never

@@ -3,7 +3,7 @@
 Facts are rendered as the paper's unification few-shots show them — numbered from 1, with the
 time they were spoken — for the unify and refine prompts (`3- text [spoken at: …]`); the final
 answer numbers them from 0, as RMM's citation format does (`Fact [0]: …`, cited as `[0, 2]`),
-so its citations are read by `rmm.citations.parse_citations`.
+so its citations are read by `rmm.policy.citations.parse_citations`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from __future__ import annotations
 import string
 from collections.abc import Mapping, Sequence
 
-from rmm.llm.base import Message
 from rmm.prompts.render import load_template
-from rmm.types import Memory, Turn
+from rmm.types import Memory, Message, Turn
 
 __all__ = [
     "decompose_messages",

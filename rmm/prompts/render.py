@@ -9,10 +9,9 @@ from collections.abc import Sequence
 from functools import cache
 from importlib import resources
 
-from rmm.citations import parse_citations, parse_json_citations
-from rmm.llm.base import Message
+from rmm.policy.citations import parse_citations, parse_json_citations
 from rmm.prompts.parse import PromptParseError
-from rmm.types import Memory, Session, Turn
+from rmm.types import Memory, Message, Session, Turn
 
 __all__ = [
     "ANSWER_SCHEMA",

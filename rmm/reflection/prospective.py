@@ -33,8 +33,8 @@ from rmm.reflection.segment import (
 from rmm.types import Memory, Session, Turn
 
 if TYPE_CHECKING:
-    from rmm.bank import MemoryBank
     from rmm.llm.base import LLM
+    from rmm.memory.bank import MemoryBank
     from rmm.prompts import ExtractedMemory
 
 __all__ = ["Extractive", "ProspectiveReflector", "ReflectionStats"]

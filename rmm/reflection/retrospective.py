@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rmm.citations import Citation, parse_citations, parse_json_citations
-from rmm.learner import Learner, rewards_from_citations
+from rmm.policy.citations import Citation, parse_citations, parse_json_citations
+from rmm.policy.learner import Learner, rewards_from_citations
 from rmm.prompts.render import is_example_answer
 from rmm.types import Selection
 

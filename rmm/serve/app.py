@@ -34,6 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from rmm.errors import RmmError, UnknownMemoryError, UnknownUserError
+from rmm.memory.store import DuplicateMemoryError
 from rmm.serve.batcher import BatcherClosedError, MicroBatcher
 from rmm.serve.config import ServeConfig
 from rmm.serve.errors import (
@@ -53,7 +54,6 @@ from rmm.serve.service import (
     RetrieveResult,
     WriteItem,
 )
-from rmm.store import DuplicateMemoryError
 from rmm.types import MEMORY_KINDS, Turn
 
 __all__ = ["create_app"]

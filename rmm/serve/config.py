@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rmm.errors import RmmError
-from rmm.learner import LearnerConfig, recipe_config
+from rmm.policy.learner import LearnerConfig, recipe_config
 
 __all__ = [
     "DEFAULT_KEYS_ENV",
@@ -137,7 +137,7 @@ class ServeConfig:
     k: int = 20
     m: int = 5
     tau: float | None = None  # None: the recipe's (see `recipe`)
-    recipe: str = "auto"  # learner hyper-parameters: auto | paper | normalized (rmm.learner.RECIPES)
+    recipe: str = "auto"  # learner hyper-parameters: auto | paper | normalized (rmm.policy.learner.RECIPES)
     explore: bool = True
     scope: Literal["topk", "bank"] = "topk"
     reranker_per: Literal["bank", "tenant", "user"] = "bank"
@@ -171,7 +171,7 @@ class ServeConfig:
             raise ConfigError(f"selection_ttl_s must be > 0, got {self.selection_ttl_s}")
         if self.checkpoint_interval_s < 0:
             raise ConfigError(f"checkpoint_interval_s must be >= 0 (0 = only on shutdown), got {self.checkpoint_interval_s}")
-        from rmm.index import BACKENDS
+        from rmm.memory.index import BACKENDS
 
         if self.index_backend not in BACKENDS:
             raise ConfigError(f"index_backend {self.index_backend!r} is not one of {list(BACKENDS)}")

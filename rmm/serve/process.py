@@ -38,7 +38,7 @@ def start_server_process(bank: str | Path, config: str | Path, log_path: str | P
     log_path = Path(log_path)
     with log_path.open("a") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rmm.cli", "serve", "--bank", str(bank), "--config", str(config),
+            [sys.executable, "-m", "rmm", "serve", "--bank", str(bank), "--config", str(config),
              "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"},
         )

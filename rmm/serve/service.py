@@ -30,16 +30,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rmm.bank import EncoderLike, MemoryBank
-from rmm.citations import parse_citations, parse_json_citations
 from rmm.errors import UnknownMemoryError, UnknownUserError
-from rmm.learner import Learner, is_normalized_encoder, rewards_from_citations
-from rmm.reranker import ResidualLinearReranker
+from rmm.memory.bank import EncoderLike, MemoryBank
+from rmm.memory.sessions import SessionLog
+from rmm.policy.citations import parse_citations, parse_json_citations
+from rmm.policy.learner import Learner, is_normalized_encoder, rewards_from_citations
+from rmm.policy.reranker import ResidualLinearReranker
 from rmm.serve.config import ServeConfig, key_digest
 from rmm.serve.errors import BadRequestError, NoOpenSessionError
 from rmm.serve.jobs import Job, JobQueue
 from rmm.serve.pending import PendingSelection, SelectionStore
-from rmm.session_log import SessionLog
 from rmm.types import Candidates, Memory, Selection, Session, Turn
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ from typing import Literal
 
 import torch
 
-from rmm.bank import MemoryBank
-from rmm.reranker import ResidualLinearReranker
+from rmm.memory.bank import MemoryBank
+from rmm.policy.reranker import ResidualLinearReranker
 from rmm.types import Candidates, Selection
 
 Scope = Literal["topk", "bank"]

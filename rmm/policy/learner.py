@@ -31,8 +31,8 @@ from torch import Tensor
 
 from rmm.device import resolve_device
 from rmm.errors import CheckpointError, DimensionMismatchError, EncoderMismatchError
-from rmm.reranker import ResidualLinearReranker
-from rmm.sampling import paper_literal_logp, plackett_luce_logp
+from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.sampling import paper_literal_logp, plackett_luce_logp
 from rmm.types import Selection
 
 __all__ = [

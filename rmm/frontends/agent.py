@@ -11,7 +11,7 @@ atomically every `checkpoint_every` rewarded answers and on `close()`.
 Hyper-parameters: `recipe="auto"` takes the paper's (τ 0.5, b 0.5, lr 1e-3) for dot-product
 encoders and the `normalized` recipe (τ 0.05, running-mean baseline, lr 3e-4) for L2-normalised
 ones such as the default MiniLM, whose cosines τ = 0.5 would flatten into near-uniform sampling
-(see `rmm.learner.RECIPES`); `tau=` or `learner_config=` override it.
+(see `rmm.policy.learner.RECIPES`); `tau=` or `learner_config=` override it.
 
 Decisions where the paper is silent: `end_session` stores topic memories only, as the paper
 does (`store_turns=True` also stores each raw turn as a turn memory); extraction is asked about
@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rmm.bank import MemoryBank
-from rmm.learner import Learner, LearnerConfig, is_normalized_encoder, recipe_config
+from rmm.memory.bank import MemoryBank
+from rmm.memory.sessions import SessionLog
+from rmm.policy.learner import Learner, LearnerConfig, is_normalized_encoder, recipe_config
+from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.retrieve import RerankedRetriever
 from rmm.reflection import CitationFeedback, ProspectiveReflector, reflect_citations
-from rmm.reranker import ResidualLinearReranker
-from rmm.retrieve import RerankedRetriever
-from rmm.session_log import SessionLog
 from rmm.types import Memory, Selection, Turn
 
 if TYPE_CHECKING:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from rmm.bank import MemoryBank
-from rmm.bm25 import BM25Retriever
 from rmm.encoders import Encoder, load_encoder
 from rmm.errors import RmmError
+from rmm.memory.bank import MemoryBank
+from rmm.memory.bm25 import BM25Retriever
+from rmm.memory.store import MemoryStore
 from rmm.paths import cache_dir
-from rmm.store import MemoryStore
 from rmm.types import Dataset, Memory, Retriever
 
 if TYPE_CHECKING:

@@ -183,7 +183,7 @@ class ResidualLinearReranker(nn.Module):
         else:
             # Scoring, noise, top-M and log π in one dispatched call: the Triton kernel on CUDA,
             # the torch reference elsewhere (on CPU the same draws from `generator` as
-            # rmm.sampling). The padded [B, K, d] block serves as the bank; padding ids are -1,
+            # rmm.policy.sampling). The padded [B, K, d] block serves as the bank; padding ids are -1,
             # so short rows' surplus picks come back -1 and are cut off below.
             bank = memories.reshape(-1, self.dim)
             slots = torch.arange(bank.shape[0], device=bank.device).view(memories.shape[:2])

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rmm.store import MemoryStore
+from rmm.memory.store import MemoryStore
 from rmm.types import Candidates
 
 __all__ = ["BM25Retriever"]

@@ -66,7 +66,7 @@ def _fmt(v: Any) -> str:
 
 # -- rmm eval -------------------------------------------------------------------------------------
 def cmd_eval(args: argparse.Namespace) -> int:
-    from rmm.corpus import open_retriever
+    from rmm.eval.benchmark_bank import open_retriever
     from rmm.eval.retrieval import evaluate
 
     dataset = _load(args)
@@ -151,9 +151,9 @@ def _load_llm(spec: str, **options: Any):
 
 # -- rmm chat -------------------------------------------------------------------------------------
 def cmd_chat(args: argparse.Namespace) -> int:
-    from rmm.agent import Agent
-    from rmm.bank import MemoryBank
     from rmm.encoders import load_encoder
+    from rmm.frontends.agent import Agent
+    from rmm.memory.bank import MemoryBank
 
     llm = _load_llm(args.llm, **_llm_options(args))
     if llm.name == "simulated":
@@ -302,7 +302,7 @@ def _goal_turn(goal, args: argparse.Namespace, line: str) -> None:
 
 
 def cmd_eval_goal(args: argparse.Namespace) -> int:
-    from rmm.corpus import open_retriever
+    from rmm.eval.benchmark_bank import open_retriever
     from rmm.eval.goal_recall import evaluate_goal_recall
     from rmm.frontends.trace import print_trace
 
@@ -339,7 +339,7 @@ def cmd_eval_goal(args: argparse.Namespace) -> int:
 
 # -- rmm eval-qa ----------------------------------------------------------------------------------
 def cmd_eval_qa(args: argparse.Namespace) -> int:
-    from rmm.corpus import open_retriever
+    from rmm.eval.benchmark_bank import open_retriever
     from rmm.eval.qa import evaluate_qa
 
     dataset = _load(args)
@@ -383,7 +383,7 @@ def _print_qa(report) -> None:
 
 # -- rmm train / quickstart ----------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
-    from rmm.corpus import open_retriever
+    from rmm.eval.benchmark_bank import open_retriever
     from rmm.training.online import OnlineTrainer, plot
 
     dataset = _load(args)
@@ -411,7 +411,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _online_config(args: argparse.Namespace, normalized_encoder: bool):
     """The recipe's values, overridden by any hyper-parameter given on the command line."""
-    from rmm.learner import recipe_for
+    from rmm.policy.learner import recipe_for
     from rmm.training.online import OnlineConfig
 
     values = recipe_for(args.recipe, normalized_encoder)
@@ -516,7 +516,7 @@ def cmd_data_download(args: argparse.Namespace) -> int:
 # -- rmm llm serve --------------------------------------------------------------------------------
 def cmd_llm_serve(args: argparse.Namespace) -> int:
     """Start `vllm serve` on loopback, wait until it answers, keep it up until Ctrl-C."""
-    from rmm.llm.serve import start_vllm_server, stop_server
+    from rmm.llm.vllm_server import start_vllm_server, stop_server
 
     log_path = Path(args.log) if args.log else None
     console.print(f"starting vLLM for {args.model} on http://{args.host}:{args.port}/v1 …")

@@ -37,8 +37,8 @@ from rmm.errors import (
     EncoderMismatchError,
     RmmError,
 )
-from rmm.index import BACKENDS, VectorIndex, index_file_info, load_index, make_index
-from rmm.store import MemoryStore
+from rmm.memory.index import BACKENDS, VectorIndex, index_file_info, load_index, make_index
+from rmm.memory.store import MemoryStore
 from rmm.types import Candidates, Memory
 
 __all__ = ["BANK_FILE", "INDEX_DIR", "STORE_FILE", "EncoderLike", "MemoryBank"]
