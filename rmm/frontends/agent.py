@@ -20,9 +20,7 @@ the user only (the whole session is shown, but memories about the assistant help
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,7 +30,7 @@ import torch
 from rmm.memory.bank import MemoryBank
 from rmm.memory.sessions import SessionLog
 from rmm.policy.learner import Learner, LearnerConfig, is_normalized_encoder, recipe_config
-from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.registry import SHARED, LearnerRegistry
 from rmm.policy.retrieve import RerankedRetriever
 from rmm.reflection import CitationFeedback, ProspectiveReflector, reflect_citations
 from rmm.types import Memory, Selection, Turn
@@ -82,13 +80,13 @@ class Agent:
         self.checkpoint_every = checkpoint_every
         self.learner_config = learner_config
         self.generator = torch.Generator().manual_seed(seed)
-        self._learners: dict[str, Learner] = {}
-        self._saved_step: dict[str, int] = {}
+        self.learners = LearnerRegistry(bank.dim, learner_config, encoder_name=bank.encoder.fingerprint,
+                                        device=bank.device, root=self.checkpoint_dir, subdir="users",
+                                        checkpoint_every=checkpoint_every)
         if learner is not None:
             if per_user:
                 raise ValueError("a given learner is shared by every user; do not also ask for per_user")
-            self._learners[""] = learner
-            self._saved_step[""] = learner.stats.records
+            self.learners.put(SHARED, learner)
 
     # ---- Algorithm 1 --------------------------------------------------------------------
     def respond(self, user: str, query: str, *, remember: bool = True) -> Response:
@@ -140,40 +138,19 @@ class Agent:
     # ---- rerankers and checkpoints ----------------------------------------------------------
     def learner(self, user: str) -> Learner:
         """The reranker's learner for `user`: one per bank, or one per user; loaded when saved."""
-        key = user if self.per_user else ""
-        if key not in self._learners:
-            path = self._checkpoint_path(key)
-            if (path / "meta.json").exists():
-                self._learners[key] = Learner.load(path, encoder_name=self.bank.encoder.fingerprint,
-                                                   dim=self.bank.dim, device=self.bank.device)
-            else:
-                self._learners[key] = Learner(ResidualLinearReranker(self.bank.dim), self.learner_config,
-                                              encoder_name=self.bank.encoder.fingerprint, device=self.bank.device)
-            self._saved_step[key] = self._learners[key].stats.records
-        return self._learners[key]
+        return self.learners.get(self._key(user))
 
     def save(self) -> None:
         """Checkpoint every reranker (atomic: a crash mid-save keeps the previous checkpoint)."""
-        for key, learner in self._learners.items():
-            learner.save(self._checkpoint_path(key))
-            self._saved_step[key] = learner.stats.records
+        self.learners.save(only_changed=False)
 
     def close(self) -> None:
         """Save the rerankers and close the session log (the bank belongs to the caller)."""
         self.save()
         self.sessions.close()
 
-    def _checkpoint_path(self, key: str) -> Path:
-        if not key:
-            return self.checkpoint_dir
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", key)[:48]
-        return self.checkpoint_dir / "users" / f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    def _key(self, user: str) -> str:
+        return user if self.per_user else SHARED
 
     def _maybe_checkpoint(self, user: str) -> None:
-        key = user if self.per_user else ""
-        learner = self._learners.get(key)
-        if learner is None or not self.checkpoint_every:
-            return
-        if learner.stats.records - self._saved_step.get(key, 0) >= self.checkpoint_every:
-            learner.save(self._checkpoint_path(key))
-            self._saved_step[key] = learner.stats.records
+        self.learners.maybe_save(self._key(user))

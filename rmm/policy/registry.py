@@ -1,0 +1,136 @@
+"""Which learner serves which key, how it is made, and where it is checkpointed — in one place.
+
+Every caller that learns (the agent, the goal front end, `rmm serve`, `rmm train`) needs the same
+bookkeeping: one reranker + learner per key (a user, a tenant, or `""` for the whole bank),
+loaded from its checkpoint folder when one was saved and created fresh otherwise, saved
+atomically when it has learned something since the last save. The key policy (per user, per
+tenant, shared) stays with the caller, which knows what isolation it promises.
+
+Checkpoint layout under `root`: the shared learner (`""`) at `root` itself, every other key at
+`root/<subdir>/<readable prefix>-<sha1 prefix>` (the hash keeps distinct keys apart after the
+readable part is sanitised).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from rmm.policy.learner import Learner, LearnerConfig
+from rmm.policy.reranker import ResidualLinearReranker
+
+__all__ = ["SHARED", "LearnerRegistry", "checkpoint_exists"]
+
+log = logging.getLogger(__name__)
+
+SHARED = ""  # the key of a learner shared by every user of the bank
+
+
+def checkpoint_exists(path: Path) -> bool:
+    """A saved checkpoint, or the backup a crash mid-swap leaves (which `Learner.load` recovers)."""
+    return (path / "meta.json").exists() or path.with_name(f".{path.name}.old").exists()
+
+
+class LearnerRegistry:
+    """Learners by key, created or loaded on first use; thread-safe; checkpoints on demand."""
+
+    def __init__(self, dim: int, config: LearnerConfig, *, encoder_name: str = "",
+                 device: str | torch.device = "cpu", root: str | Path | None = None, subdir: str = "users",
+                 checkpoint_every: int = 0) -> None:
+        self.dim, self.config, self.encoder_name, self.device = dim, config, encoder_name, device
+        self.root = Path(root) if root is not None else None
+        self.subdir = subdir
+        self.checkpoint_every = checkpoint_every
+        self._learners: dict[str, Learner] = {}
+        self._saved: dict[str, tuple[int, int]] = {}
+        self._lock = threading.RLock()
+
+    # ---- lookup ---------------------------------------------------------------------------
+    def get(self, key: str = SHARED) -> Learner:
+        """The learner of `key`: loaded from its checkpoint when one was saved, else a fresh one."""
+        with self._lock:
+            if key not in self._learners:
+                path = self.path(key)
+                if path is not None and checkpoint_exists(path):
+                    learner = Learner.load(path, encoder_name=self.encoder_name, dim=self.dim, device=self.device)
+                    log.info("loaded reranker checkpoint %s (step %d)", path, learner.stats.step)
+                else:
+                    learner = Learner(ResidualLinearReranker(self.dim), self.config, encoder_name=self.encoder_name,
+                                      device=self.device)
+                self._learners[key] = learner
+                self._saved[key] = _progress(learner)
+            return self._learners[key]
+
+    def put(self, key: str, learner: Learner) -> None:
+        """Register a learner built by the caller (e.g. one given to the agent)."""
+        with self._lock:
+            self._learners[key] = learner
+            self._saved[key] = _progress(learner)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._learners
+
+    def __len__(self) -> int:
+        return len(self._learners)
+
+    def items(self) -> Iterator[tuple[str, Learner]]:
+        """(key, learner) pairs loaded so far, in key order (a snapshot: safe while others learn)."""
+        with self._lock:
+            return iter(sorted(self._learners.items()))
+
+    def path(self, key: str) -> Path | None:
+        """The checkpoint folder of `key`, or None when this registry keeps nothing on disk."""
+        if self.root is None:
+            return None
+        if key == SHARED:
+            return self.root
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", key)[:48]
+        return self.root / self.subdir / f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def save(self, key: str | None = None, *, only_changed: bool = True) -> int:
+        """Checkpoint `key` (or every loaded learner) atomically; returns how many were written."""
+        if self.root is None:
+            return 0
+        saved = 0
+        with self._lock:
+            keys = list(self._learners) if key is None else [key]
+            for k in keys:
+                learner = self._learners[k]
+                if only_changed and _progress(learner) == self._saved.get(k):
+                    continue
+                learner.save(self.path(k))  # type: ignore[arg-type]
+                self._saved[k] = _progress(learner)
+                saved += 1
+        return saved
+
+    def maybe_save(self, key: str) -> bool:
+        """Save `key` once `checkpoint_every` rewarded selections arrived since its last save."""
+        if not self.checkpoint_every or self.root is None or key not in self._learners:
+            return False
+        with self._lock:
+            done = _progress(self._learners[key])[0]
+            if done - self._saved.get(key, (0, 0))[0] < self.checkpoint_every:
+                return False
+            return self.save(key, only_changed=False) == 1
+
+    def drop(self, key: str, *, delete_checkpoint: bool = False) -> None:
+        """Forget `key`'s learner (and its checkpoint folder, e.g. when the user is deleted)."""
+        with self._lock:
+            self._learners.pop(key, None)
+            self._saved.pop(key, None)
+            path = self.path(key)
+            if delete_checkpoint and path is not None and key != SHARED and path.exists():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _progress(learner: Learner) -> tuple[int, int]:
+    """What changes whenever a learner has something new to save: (rewarded + skipped, buffered)."""
+    return learner.stats.records + learner.stats.skipped_no_citation, learner.pending
