@@ -1,0 +1,95 @@
+"""The layers of docs/architecture.md, enforced: no module imports from a layer above its own.
+
+Every `import` counts, including the lazy ones inside functions (an upward import deferred to
+call time is still a dependency running the wrong way).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Bottom (0) to top; a module may import its own layer and those below. Longest prefix wins.
+LAYERS: dict[str, int] = {
+    "rmm.types": 0, "rmm.errors": 0, "rmm.paths": 0, "rmm.device": 0, "rmm.kernels": 0,
+    "rmm.encoders": 1, "rmm.data": 1, "rmm.eval.metrics": 1,
+    "rmm.memory": 2,
+    "rmm.policy": 3, "rmm.llm": 3, "rmm.prompts": 3,
+    "rmm.reflection": 4,
+    "rmm.frontends": 5,
+    "rmm.eval": 6,
+    "rmm.cli": 7, "rmm.serve": 7, "rmm.training": 7,
+}
+# The package face re-exports records and installs the deprecated-path finder; `python -m rmm`.
+UNLAYERED = {"rmm", "rmm._compat", "rmm.__main__"}
+
+SOURCE_ROOTS = {"rmm": "rmm", "training": "rmm.training", "kernels": "rmm.kernels"}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    found = []
+    for folder, package in SOURCE_ROOTS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found.append((".".join((package, *parts)), path))
+    return found
+
+
+def _layer(module: str) -> int | None:
+    best = None
+    for prefix, rank in LAYERS.items():
+        if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, rank)
+    return None if best is None else best[1]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append((node.lineno, node.module))
+            names += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names
+                      if _layer(f"{node.module}.{alias.name}") != _layer(node.module)]
+    return [(line, name) for line, name in names if name == "rmm" or name.startswith("rmm.")]
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = [name for name, _ in _modules() if name not in UNLAYERED and _layer(name) is None]
+    assert not unplaced, f"add these modules to a layer in docs/architecture.md and LAYERS: {unplaced}"
+
+
+def test_no_import_runs_upward() -> None:
+    upward = []
+    for name, path in _modules():
+        own = _layer(name)
+        if own is None:
+            continue
+        for line, target in _imports(path):
+            theirs = _layer(target)
+            if theirs is not None and theirs > own:
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({name}, layer {own}) imports {target} (layer {theirs})")
+    assert not upward, "imports running upward:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("folder", ["llm", "prompts"])
+def test_llm_and_prompts_do_not_import_each_other(folder: str) -> None:
+    other = {"llm": "rmm.prompts", "prompts": "rmm.llm"}[folder]
+    offending = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+                 for path in sorted((ROOT / "rmm" / folder).rglob("*.py"))
+                 for line, target in _imports(path) if target == other or target.startswith(other + ".")]
+    assert not offending, "\n".join(offending)
+
+
+def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from rmm.frontends.agent import Agent\n")
+    ((_, target),) = [(line, t) for line, t in _imports(module) if t == "rmm.frontends.agent"]
+    assert _layer(target) == 5 > _layer("rmm.memory.bank") == 2
