@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from rmm.serve.app import create_app
 from rmm.serve.config import load_config
-from rmm.serve.service import NewMemory
+from rmm.serve.records import NewMemory
 
 ALPHA, BETA = "key-alpha-123", "key-beta-4567"
 KEYS = {ALPHA: "alpha", BETA: "beta"}
@@ -250,3 +250,45 @@ def test_concurrent_writes_share_one_encoder_call_and_fail_alone(tmp_path: Path)
     assert all(r.status_code == 201 for r in written) and duplicate.status_code == 409
     assert main.calls == 1  # type: ignore[attr-defined]
     assert main.stored == {f"m{i}" for i in range(12)}  # type: ignore[attr-defined]
+
+
+def test_requests_after_shutdown_began_get_503(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+
+    async def main() -> httpx.Response:
+        async with app.router.lifespan_context(app):
+            app.state.service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
+            await app.state.batcher.close()  # what the lifespan does first at shutdown
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=A) as http:
+                return await http.post("/v1/retrieve", json={"queries": [{"user": "ana", "query": "cello"}]})
+
+    response = asyncio.run(main())
+    assert response.status_code == 503 and response.json()["code"] == "shutting_down"
+
+
+def test_the_tenant_dependency_refuses_on_its_own_without_the_gate(tmp_path: Path) -> None:
+    from fastapi import FastAPI
+
+    from rmm.serve.deps import api_key
+    from rmm.serve.http_errors import install_error_handlers
+    from rmm.serve.routes import memories
+
+    assert api_key({"authorization": "Bearer  key-1 "}) == "key-1"
+    assert api_key({"authorization": "Basic key-1", "x-api-key": " key-2"}) == "key-2"
+    assert api_key({"authorization": "Bearer ", "x-api-key": " "}) is None
+    service = make_app(tmp_path).state.service
+    bare = FastAPI()  # the routes and their dependencies only: no gate in front
+    bare.state.service = service
+    install_error_handlers(bare)
+    bare.include_router(memories.router)
+    try:
+        with TestClient(bare) as client:
+            missing = client.get("/v1/users")
+            assert missing.status_code == 401 and missing.json()["code"] == "missing_api_key"
+            assert missing.headers["www-authenticate"] == "Bearer"
+            assert client.get("/v1/users", headers={"Authorization": "Bearer wrong-key-123"}).json()["code"] == \
+                "invalid_api_key"
+            assert client.get("/v1/users", headers=B).json() == {"users": []}
+    finally:
+        service.close()

@@ -20,7 +20,8 @@ from rmm.serve.errors import (
     UnknownJobError,
     UnknownSelectionError,
 )
-from rmm.serve.service import NewMemory, RetrievalService, RetrieveItem, RetrieveResult
+from rmm.serve.records import NewMemory, RetrieveItem, RetrieveResult
+from rmm.serve.service import RetrievalService
 
 KEYS = {"key-alpha-123": "alpha", "key-beta-4567": "beta"}
 FACTS = ["Ana hikes mountain trails every weekend", "Ana bakes sourdough bread on Sundays",
@@ -294,9 +295,29 @@ def test_one_reranker_per_user_and_deleting_the_user_deletes_it(tmp_path: Path) 
         assert service.learner("alpha:ana").stats.step == 1
         assert service.learner("alpha:bob").stats.step == 0
         service.checkpoint()
-        folder = service._checkpoint_path("alpha:ana")
+        folder = service.learners.path("alpha:ana")
         assert (folder / "meta.json").exists()
         service.delete_user("alpha", "ana")
         assert not folder.exists()
     finally:
         service.close()
+
+
+@pytest.mark.parametrize(("per", "folder"), [("user", "users/alpha_ana-d7ded1ee97"),
+                                             ("tenant", "tenants/alpha-be76331b95")])
+def test_checkpoint_folders_keep_their_layout_so_existing_checkpoints_load(tmp_path: Path, per: str,
+                                                                           folder: str) -> None:
+    key = "alpha:ana" if per == "user" else "alpha"
+    service = make_service(tmp_path, reranker_per=per, learner={"batch_size": 1})
+    try:
+        service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
+        service.feedback("alpha", one(service, "ana", "hiking").selection_id, cited=[0])
+    finally:
+        service.close()
+    assert (tmp_path / "bank" / "reranker" / folder / "meta.json").exists()
+    assert not (tmp_path / "bank" / "reranker" / "meta.json").exists()  # nothing learned by a shared one
+    again = make_service(tmp_path, reranker_per=per)
+    try:
+        assert again.learner(key).stats.step == 1
+    finally:
+        again.close()

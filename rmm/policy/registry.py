@@ -52,6 +52,12 @@ class LearnerRegistry:
         self._saved: dict[str, tuple[int, int]] = {}
         self._lock = threading.RLock()
 
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by `get`, `save` and `drop`; hold it too while a learner's weights are read or stepped
+        from several threads, so that a checkpoint never captures half an optimizer step."""
+        return self._lock
+
     # ---- lookup ---------------------------------------------------------------------------
     def get(self, key: str = SHARED) -> Learner:
         """The learner of `key`: loaded from its checkpoint when one was saved, else a fresh one."""

@@ -10,6 +10,8 @@ from rmm.errors import RmmError
 
 __all__ = [
     "BadRequestError",
+    "InvalidApiKeyError",
+    "MissingApiKeyError",
     "NoOpenSessionError",
     "SelectionExpiredError",
     "SelectionUsedError",
@@ -47,3 +49,11 @@ class NoOpenSessionError(RmmError, KeyError):
 
 class BadRequestError(RmmError, ValueError):
     """Well-formed JSON that asks for something impossible (e.g. citing index 7 of 5 shown)."""
+
+
+class MissingApiKeyError(RmmError):
+    """A `/v1` request with neither `Authorization: Bearer KEY` nor `X-API-Key: KEY`."""
+
+
+class InvalidApiKeyError(RmmError):
+    """A key that names no tenant (the answer never hints at which keys exist)."""

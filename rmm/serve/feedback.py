@@ -1,0 +1,77 @@
+"""Feedback: what the LLM cited for a selection, turned into rewards for the learner (paper §6).
+
+A selection is claimed exactly once (the claim and the validity checks are one transaction in the
+selection store), so feedback sent twice or for an expired selection cannot reward anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rmm.memory.bank import MemoryBank
+from rmm.policy.citations import parse_citations, parse_json_citations
+from rmm.policy.learner import rewards_from_citations
+from rmm.policy.registry import LearnerRegistry
+from rmm.serve.errors import BadRequestError
+from rmm.serve.pending import PendingSelection, SelectionStore
+from rmm.serve.records import FeedbackResult
+from rmm.types import Candidates, Selection
+
+__all__ = ["FeedbackLearner"]
+
+
+class FeedbackLearner:
+    """Claims pending selections and records their rewards; counts the optimizer steps taken."""
+
+    def __init__(self, bank: MemoryBank, selections: SelectionStore, learners: LearnerRegistry) -> None:
+        self.bank, self.selections, self.learners = bank, selections, learners
+        self.updates = 0
+
+    def feedback(self, tenant: str, selection_id: str, *, cited: list[int] | None = None, text: str | None = None,
+                 no_cite: bool = False, structured: bool = False) -> FeedbackResult:
+        """Rewards from explicit indices, `[NO_CITE]`, or the LLM's raw reply, into the learner."""
+        given = sum(x for x in (cited is not None, text is not None, no_cite))
+        if given != 1:
+            raise BadRequestError("give exactly one of `cited` (indices of the shown memories the answer used), "
+                                  "`text` (the LLM's raw reply, citations parsed from it) or `no_cite: true`")
+        outcome: dict[str, Any] = {}
+
+        def check(pending: PendingSelection) -> None:
+            n = len(pending.chosen)
+            if cited is not None:
+                bad = [i for i in cited if not 0 <= i < n]
+                if bad:
+                    raise BadRequestError(f"cited indices {bad} are outside the {n} memories shown (0..{n - 1})")
+                if len(set(cited)) != len(cited):
+                    raise BadRequestError(f"cited indices {cited} repeat an index")
+                outcome.update(cited=list(cited), no_cite=not cited, warnings=[])
+            elif no_cite:
+                outcome.update(cited=[], no_cite=True, warnings=[])
+            else:
+                assert text is not None
+                citation = (parse_json_citations if structured else parse_citations)(text, n)
+                outcome.update(cited=citation.cited, no_cite=citation.no_cite, warnings=list(citation.warnings))
+
+        pending = self.selections.claim(tenant, selection_id, check)
+        rewards = rewards_from_citations(len(pending.chosen), outcome["cited"], outcome["no_cite"])
+        selection = self._rebuild(pending)
+        with self.learners.lock:
+            learner = self.learners.get(pending.reranker_key)
+            step_before = learner.stats.step
+            loss = learner.record(selection, rewards)
+            updated = learner.stats.step > step_before
+            if updated:
+                self.updates += 1
+            return FeedbackResult(selection_id=selection_id, rewards=None if rewards is None else rewards.tolist(),
+                                  cited=outcome["cited"], no_cite=outcome["no_cite"], warnings=outcome["warnings"],
+                                  updated=updated, loss=loss, learner_step=learner.stats.step,
+                                  learner_records=learner.stats.records)
+
+    def _rebuild(self, pending: PendingSelection) -> Selection:
+        """The `Selection` the learner needs, candidate embeddings read back from the store."""
+        embeddings = self.bank.embeddings(pending.user_id, pending.memory_ids)
+        candidates = Candidates(query=pending.query, memory_ids=pending.memory_ids, retriever_scores=pending.scores,
+                                embeddings=embeddings, query_embedding=pending.query_embedding,
+                                user_id=pending.user_id)
+        return Selection(candidates=candidates, chosen=pending.chosen, scores=pending.scores, logp=pending.logp,
+                         noise=pending.noise, explore=pending.explore, id=pending.id)

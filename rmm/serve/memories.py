@@ -1,0 +1,100 @@
+"""A tenant's users and their memories: list, add (batched encode), delete.
+
+Writes go straight to the bank, whose store commits with `synchronous=FULL` before returning:
+an acknowledged memory survives `kill -9` (the per-user index is rebuilt from the store).
+Deleting also drops what refers to the deleted rows (pending selections, queued jobs, the open
+session, a per-user reranker), so nothing stale can be rewarded or reflected later.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rmm.errors import UnknownUserError
+from rmm.memory.bank import MemoryBank
+from rmm.memory.sessions import SessionLog
+from rmm.policy.registry import LearnerRegistry
+from rmm.serve.jobs import JobQueue
+from rmm.serve.locked_encoder import LockedEncoder
+from rmm.serve.pending import SelectionStore
+from rmm.serve.records import NewMemory, WriteItem
+from rmm.serve.tenants import scoped, unscoped
+from rmm.types import Memory
+
+__all__ = ["UserMemories"]
+
+
+class UserMemories:
+    """Memory CRUD scoped to a tenant; thread-safe through the bank's and stores' own locks."""
+
+    def __init__(self, bank: MemoryBank, encoder: LockedEncoder, *, selections: SelectionStore,
+                 sessions: SessionLog, jobs: JobQueue, learners: LearnerRegistry, per_user_rerankers: bool) -> None:
+        self.bank, self.encoder = bank, encoder
+        self.selections, self.sessions, self.jobs = selections, sessions, jobs
+        self.learners, self.per_user_rerankers = learners, per_user_rerankers
+
+    def require_user(self, tenant: str, user: str) -> str:
+        """The scoped id of a user that has memories; UnknownUserError otherwise."""
+        user_id = scoped(tenant, user)
+        if not self.bank.store.has_user(user_id):
+            raise UnknownUserError(f"unknown user {user!r} (no memories stored for this user)")
+        return user_id
+
+    def users(self, tenant: str) -> list[str]:
+        prefix = scoped(tenant, "")
+        return [unscoped(u) for u in self.bank.users() if u.startswith(prefix)]
+
+    def add(self, tenant: str, user: str, memories: list[NewMemory]) -> list[str]:
+        """Store and index; returns once committed (an acknowledged memory survives a crash)."""
+        (result,) = self.add_batch([WriteItem(tenant, user, memories)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def add_batch(self, items: list[WriteItem]) -> list[list[str] | Exception]:
+        """Every request's memories in one encode; then each request commits on its own, so one
+        request's failure (e.g. a duplicate id) never loses or blocks another's write."""
+        records = [[
+            Memory(id=m.id or Memory.new_id(), user_id=scoped(item.tenant, item.user), kind=m.kind,  # type: ignore[arg-type]
+                   text=m.text, refs=list(m.refs), source_text=m.source_text,
+                   time_span=None if m.time is None else (m.time, m.time))
+            for m in item.memories] for item in items]
+        texts = [m.text for batch in records for m in batch]
+        vectors = self.encoder.encode_passages(texts) if texts else torch.empty(0, self.encoder.dim)
+        results: list[list[str] | Exception] = []
+        start = 0
+        for batch in records:
+            rows = vectors[start:start + len(batch)]
+            start += len(batch)
+            try:
+                results.append(self.bank.add(batch[0].user_id, batch, embeddings=rows) if batch else [])
+            except Exception as error:  # noqa: BLE001 - handed back to this request only
+                results.append(error)
+        return results
+
+    def memories(self, tenant: str, user: str) -> list[Memory]:
+        return self.bank.memories(self.require_user(tenant, user))
+
+    def delete_memory(self, tenant: str, user: str, memory_id: str) -> int:
+        """Delete from store and index; returns how many pending selections it invalidated."""
+        user_id = self.require_user(tenant, user)
+        self.bank.delete(user_id, [memory_id])
+        return self.selections.delete_memory(user_id, memory_id)
+
+    def delete_user(self, tenant: str, user: str) -> dict[str, int]:
+        """Memories, index rows, pending selections, open session, queued jobs — and the user's
+        own reranker and its checkpoint when there is one per user."""
+        user_id = scoped(tenant, user)
+        open_turns = len(self.sessions.current(user_id).turns)
+        if not self.bank.store.has_user(user_id) and not open_turns:
+            raise UnknownUserError(f"unknown user {user!r}")
+        counts = {"memories": 0, "selections": 0, "session_turns": open_turns, "jobs_cancelled": 0}
+        counts["jobs_cancelled"] = self.jobs.cancel_user(user_id)
+        if self.bank.store.has_user(user_id):
+            counts["memories"] = self.bank.store.count(user_id)
+            self.bank.delete_user(user_id)
+        counts["selections"] = self.selections.delete_user(user_id)
+        self.sessions.clear(user_id)
+        if self.per_user_rerankers:
+            self.learners.drop(user_id, delete_checkpoint=True)
+        return counts

@@ -1,0 +1,105 @@
+"""Prometheus metrics of the server (served at `/metrics`, text format, no key needed).
+
+Counters and histograms are updated as requests and batches happen; the gauges (pending
+selections, jobs, learner steps) are read from the service at scrape time, so they can never
+drift from its state. One registry per app, so several apps (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rmm.serve.service import RetrievalService
+
+__all__ = ["Metrics", "RequestMetrics"]
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Metrics:
+    """The app's registry and the counters the routes and batchers update."""
+
+    def __init__(self, service: RetrievalService) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("rmm_http_requests", "HTTP requests", ["method", "route", "status"], registry=r)
+        self.latency = Histogram("rmm_http_request_seconds", "HTTP request latency", ["route"], registry=r,
+                                 buckets=LATENCY_BUCKETS)
+        self.batch_size = Histogram("rmm_batch_size", "queries per batched retrieval call", registry=r,
+                                    buckets=BATCH_SIZE_BUCKETS)
+        self.batch_seconds = Histogram("rmm_batch_seconds", "time of one batched retrieval call", registry=r,
+                                       buckets=LATENCY_BUCKETS[:-2])
+        self.queries = Counter("rmm_retrieve_queries", "retrieve queries answered", registry=r)
+        self.feedback = Counter("rmm_feedback", "feedback received", ["outcome"], registry=r)
+        self.updates = Counter("rmm_learner_updates", "reranker optimizer steps from feedback", registry=r)
+        self.memories = Counter("rmm_memories_added", "memories stored through the API", registry=r)
+        r.register(ServiceCollector(service))
+
+    def on_batch(self, size: int, seconds: float) -> None:
+        """The retrieve batcher's report of one batched call."""
+        self.batch_size.observe(size)
+        self.batch_seconds.observe(seconds)
+
+
+class ServiceCollector:
+    """Gauges read at scrape time from the service's own state."""
+
+    def __init__(self, service: RetrievalService) -> None:
+        self.service = service
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.service.stats()
+        pending = GaugeMetricFamily("rmm_pending_selections", "selections waiting for feedback")
+        pending.add_metric([], stats["pending_selections"])
+        yield pending
+        jobs = GaugeMetricFamily("rmm_jobs", "reflection jobs by status", labels=["status"])
+        for state, n in stats["jobs"].items():
+            jobs.add_metric([state], n)
+        yield jobs
+        step = GaugeMetricFamily("rmm_learner_step", "optimizer steps of each reranker", labels=["reranker"])
+        records = GaugeMetricFamily("rmm_learner_records", "rewarded selections recorded", labels=["reranker"])
+        for key, s in stats["learners"].items():
+            label = key if self.service.config.reranker_per != "user" else "user"
+            step.add_metric([label], s["step"])
+            records.add_metric([label], s["records"])
+        yield step
+        yield records
+
+
+class RequestMetrics:
+    """ASGI middleware counting every HTTP request by method, route template and status, and timing
+    it; outermost, so requests refused before routing (401, 413, unknown paths) count too."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # what the client sees if the app fails before answering
+
+        async def send_recording(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_recording)
+        finally:
+            route: Any = scope.get("route")  # set by the router on a match: the template, not the raw path
+            label = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(scope.get("method", ""), label, str(status)).inc()
+            self.metrics.latency.labels(label).observe(time.perf_counter() - started)

@@ -1,0 +1,158 @@
+"""Batched retrieval: what the retrieve micro-batcher calls with every query it collected.
+
+Every query of the batch is encoded in one encoder call, each user's queries are searched in one
+index call, and each reranker scores its queries in one call (Gumbel top-M when exploring, plain
+top-M otherwise). The selections are persisted in one transaction before the results are
+returned, so feedback works even after a restart. A query's failure (unknown user, a user
+deleted mid-batch) is handed back to that query alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from rmm.errors import UnknownMemoryError, UnknownUserError
+from rmm.memory.bank import MemoryBank
+from rmm.policy.registry import LearnerRegistry
+from rmm.serve.config import ServeConfig
+from rmm.serve.locked_encoder import LockedEncoder
+from rmm.serve.pending import PendingSelection, SelectionStore
+from rmm.serve.records import RetrieveItem, RetrieveResult, ShownMemory
+from rmm.serve.tenants import reranker_key, scoped
+from rmm.types import Candidates, Memory, Selection
+
+__all__ = ["BatchRetriever"]
+
+log = logging.getLogger(__name__)
+
+Results = list[Any]  # per item: RetrieveResult, an Exception for that item alone, or None (not yet done)
+
+
+class BatchRetriever:
+    """Encode → search → rerank → persist, each step once per batch (per user / per reranker)."""
+
+    def __init__(self, config: ServeConfig, bank: MemoryBank, encoder: LockedEncoder, learners: LearnerRegistry,
+                 selections: SelectionStore, *, tau: float) -> None:
+        self.config, self.bank, self.encoder, self.learners = config, bank, encoder, learners
+        self.selections, self.tau = selections, tau
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    def retrieve_batch(self, items: list[RetrieveItem]) -> list[RetrieveResult | Exception]:
+        """Every query of the batch in one encode; per user one search; per reranker one select."""
+        results: Results = [None] * len(items)
+        live = []
+        for i, item in enumerate(items):
+            if self.bank.store.has_user(scoped(item.tenant, item.user)):
+                live.append(i)
+            else:
+                results[i] = UnknownUserError(f"unknown user {item.user!r} (no memories stored for this user)")
+        if live:
+            vectors = self.encoder.encode_queries([items[i].query for i in live])
+            candidates = self._search(items, dict(zip(live, vectors)), results)
+            selections = self._select(items, candidates)
+            self._answer(items, selections, results)
+        return [r if r is not None else RuntimeError("query was not processed") for r in results]
+
+    def _key(self, item: RetrieveItem) -> str:
+        return reranker_key(self.config.reranker_per, item.tenant, scoped(item.tenant, item.user))
+
+    def _search(self, items: list[RetrieveItem], query_vec: dict[int, torch.Tensor],
+                results: Results) -> dict[int, Candidates]:
+        by_user: dict[str, list[int]] = defaultdict(list)
+        for i in query_vec:
+            by_user[scoped(items[i].tenant, items[i].user)].append(i)
+        found: dict[int, Candidates] = {}
+        for user_id, positions in by_user.items():
+            q = torch.stack([query_vec[i] for i in positions])
+            search_q = q
+            if self.config.scope == "bank":  # search the whole bank with the learned query q·A
+                with self.learners.lock:
+                    reranker = self.learners.get(self._key(items[positions[0]])).reranker
+                    search_q = reranker.transform_queries(q.to(self.bank.device)).cpu()
+            k_max = max(items[i].k for i in positions)
+            try:
+                rows = self.bank.search_embeddings(search_q, user_id, k_max, queries=[items[i].query for i in positions])
+            except UnknownUserError as exc:  # deleted since the batch began
+                for i in positions:
+                    results[i] = exc
+                continue
+            for i, row, vec in zip(positions, rows, q):
+                k = items[i].k
+                found[i] = Candidates(query=row.query, memory_ids=row.memory_ids[:k],
+                                      retriever_scores=row.retriever_scores[:k], embeddings=row.embeddings[:k],
+                                      query_embedding=vec, user_id=user_id)
+        return found
+
+    def _select(self, items: list[RetrieveItem], candidates: dict[int, Candidates]) -> dict[int, tuple[Selection, str]]:
+        """Each reranker scores all its queries at once; returns (selection, reranker key) per item."""
+        groups: dict[tuple[str, bool], list[int]] = defaultdict(list)
+        for i in candidates:
+            groups[(self._key(items[i]), items[i].explore)].append(i)
+        selections: dict[int, tuple[Selection, str]] = {}
+        for (key, explore), positions in groups.items():
+            m_max = max(items[i].m for i in positions)
+            with self.learners.lock:
+                picked = self.learners.get(key).reranker.select(
+                    [candidates[i] for i in positions], m_max, tau=self.tau, explore=explore, generator=self.generator)
+            for i, selection in zip(positions, picked):
+                # A Gumbel top-m is the first m picks of the top-M_max (same noise): truncation is exact.
+                m = items[i].m
+                selection.chosen = selection.chosen[:m]
+                if selection.logp is not None:
+                    selection.logp = selection.logp[:m]
+                selections[i] = (selection, key)
+        return selections
+
+    def _shown_texts(self, selections: dict[int, tuple[Selection, str]],
+                     results: Results) -> dict[str, dict[str, Memory]]:
+        """The shown memories' rows, read per user; drops the items whose user or memory is gone."""
+        by_user: dict[str, set[str]] = defaultdict(set)
+        for selection, _ in selections.values():
+            by_user[selection.candidates.user_id].update(selection.memory_ids)
+        memories: dict[str, dict[str, Memory]] = {}
+        for user_id, ids in by_user.items():
+            try:
+                memories[user_id] = {m.id: m for m in self.bank.get(user_id, sorted(ids))} if ids else {}
+            except (UnknownUserError, UnknownMemoryError) as exc:  # deleted between search and now
+                for i, (selection, _) in list(selections.items()):
+                    if selection.candidates.user_id == user_id:
+                        results[i] = exc
+                        del selections[i]
+        return memories
+
+    def _answer(self, items: list[RetrieveItem], selections: dict[int, tuple[Selection, str]],
+                results: Results) -> None:
+        """Results for the selected items, their selections persisted first (all or none)."""
+        memories = self._shown_texts(selections, results)
+        now = time.time()
+        expires = now + self.config.selection_ttl_s
+        pending: list[PendingSelection] = []
+        for i, (selection, key) in selections.items():
+            item, c = items[i], selection.candidates
+            shown = []
+            for j, idx in enumerate(selection.chosen):
+                row = memories[c.user_id][c.memory_ids[idx]]
+                shown.append(ShownMemory(index=j, id=row.id, text=row.text, kind=row.kind, refs=list(row.refs),
+                                         score=float(selection.scores[idx]),
+                                         retriever_score=float(c.retriever_scores[idx]), time_span=row.time_span))
+            has_pick = bool(selection.chosen)
+            if has_pick:
+                pending.append(PendingSelection(
+                    id=selection.id, tenant=item.tenant, user_id=c.user_id, reranker_key=key, query=item.query,
+                    memory_ids=list(c.memory_ids), chosen=list(selection.chosen), explore=selection.explore,
+                    query_embedding=c.query_embedding, scores=selection.scores, logp=selection.logp,
+                    noise=selection.noise, created_at=now, expires_at=expires))
+            results[i] = RetrieveResult(user=item.user, query=item.query,
+                                        selection_id=selection.id if has_pick else None, explore=selection.explore,
+                                        expires_at=expires if has_pick else None, memories=shown)
+        try:
+            self.selections.put_many(pending)
+        except Exception as exc:  # no result may carry a selection id that feedback cannot find
+            log.exception("could not persist %d selections", len(pending))
+            for i in selections:
+                results[i] = exc

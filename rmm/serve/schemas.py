@@ -1,0 +1,180 @@
+"""The request and response bodies of the HTTP API (pydantic; they are the OpenAPI schema).
+
+Requests are strict (unknown fields are refused, so a typo is an error rather than a silently
+ignored option). Answers that are exactly a service record (`ShownMemory`, `RetrieveResult`,
+`FeedbackResult` in `rmm.serve.records`) are not repeated here: FastAPI serves those dataclasses.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Path
+from pydantic import BaseModel, ConfigDict, Field
+
+from rmm.serve.jobs import Job
+from rmm.serve.records import RetrieveResult
+from rmm.serve.tenants import unscoped
+from rmm.types import MEMORY_KINDS
+
+__all__ = [
+    "AddMemoriesIn", "AddMemoriesOut", "AddSessionIn", "AddTurnsIn", "AddTurnsOut", "DeleteMemoryOut",
+    "DeleteUserOut", "EndSessionIn", "FeedbackIn", "HealthOut", "JobOut", "MemoriesOut", "MemoryIn", "MemoryOut",
+    "QueryIn", "RetrieveIn", "RetrieveOut", "TurnIn", "UserPath", "UsersOut",
+]
+
+USER_PATTERN = r"^[^/\x00-\x1f]{1,256}$"
+UserId = Annotated[str, Field(pattern=USER_PATTERN, description="a user id of your tenant (1-256 chars, no '/')")]
+UserPath = Annotated[str, Path(pattern=USER_PATTERN, description="a user id of your tenant")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- memories -----------------------------------------------------------------------------------
+class MemoryIn(_Strict):
+    text: str = Field(min_length=1, description="what is embedded and shown to the LLM")
+    kind: str = Field("turn", description=f"one of {list(MEMORY_KINDS)}")
+    id: str | None = Field(None, min_length=1, max_length=256, description="default: a new random id")
+    refs: list[str] = Field(default_factory=list, description="dialogue turn ids this memory came from")
+    source_text: str = ""
+    time: str | None = None
+
+
+class AddMemoriesIn(_Strict):
+    memories: list[MemoryIn] = Field(min_length=1)
+
+
+class AddMemoriesOut(BaseModel):
+    user: str
+    ids: list[str]
+
+
+class MemoryOut(BaseModel):
+    """A stored memory as its owner sees it (no embedding, no tenant-scoped user id)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    kind: str
+    text: str
+    refs: list[str]
+    source_text: str
+    created_at: float
+    updated_at: float
+    time_span: tuple[str | None, str | None] | None
+
+
+class MemoriesOut(BaseModel):
+    user: str
+    memories: list[MemoryOut]
+
+
+class UsersOut(BaseModel):
+    users: list[str]
+
+
+class DeleteMemoryOut(BaseModel):
+    user: str
+    memory_id: str
+    selections_dropped: int
+
+
+class DeleteUserOut(BaseModel):
+    """How much of the user was deleted, by kind."""
+
+    user: str
+    memories: int
+    selections: int
+    session_turns: int
+    jobs_cancelled: int
+
+
+# ---- sessions and reflection jobs ---------------------------------------------------------------
+class TurnIn(_Strict):
+    speaker: str = Field(min_length=1, max_length=256)
+    text: str = Field(min_length=1)
+    time: str | None = None
+    id: str | None = Field(None, description="for whole sessions only; default: <session id>:<position>")
+
+
+class AddTurnsIn(_Strict):
+    """Turns appended to the user's open session."""
+
+    turns: list[TurnIn] = Field(min_length=1)
+
+
+class AddTurnsOut(BaseModel):
+    user: str
+    session_id: str
+    turn_ids: list[str]
+
+
+class EndSessionIn(_Strict):
+    speakers: list[str] | None = Field(None, description="whose facts to extract (default: every speaker "
+                                                         "except the configured assistant names)")
+    store_turns: bool = Field(False, description="also store each raw turn as a turn memory")
+
+
+class AddSessionIn(EndSessionIn):
+    turns: list[TurnIn] = Field(min_length=1)
+    session_id: str | None = None
+    time: str | None = None
+
+
+class JobOut(BaseModel):
+    """A reflection job; poll it until `status` is done, failed or cancelled."""
+
+    job_id: str
+    user: str
+    kind: str
+    status: str
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    result: dict[str, Any]
+    error: str | None
+
+    @classmethod
+    def of(cls, job: Job) -> JobOut:
+        return cls(job_id=job.id, user=unscoped(job.user_id), kind=job.kind, status=job.status,
+                   created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
+                   result=job.result, error=job.error)
+
+
+# ---- retrieval and feedback ---------------------------------------------------------------------
+class QueryIn(_Strict):
+    user: UserId
+    query: str = Field(min_length=1)
+    k: int | None = Field(None, ge=1, description="candidates retrieved (default: the server's k)")
+    m: int | None = Field(None, ge=1, description="memories shown (default: the server's m)")
+    explore: bool | None = Field(None, description="Gumbel-sample the M (learning) or take the top-M")
+
+
+class RetrieveIn(_Strict):
+    """Many queries at once (of one or several users); each is answered on its own."""
+
+    queries: list[QueryIn] = Field(min_length=1)
+
+
+class RetrieveOut(BaseModel):
+    results: list[RetrieveResult]
+
+
+class FeedbackIn(_Strict):
+    selection_id: str = Field(min_length=1)
+    cited: list[int] | None = Field(None, description="indices (0-based, as shown) of the memories the answer used")
+    text: str | None = Field(None, description="the LLM's raw reply; citations are parsed from it")
+    no_cite: bool = Field(False, description="the answer used none of the shown memories")
+    structured: bool = Field(False, description="`text` is the JSON {answer, citations} form")
+
+
+# ---- operations ---------------------------------------------------------------------------------
+class HealthOut(BaseModel):
+    status: str
+    encoder: str
+    dim: int
+    batching: bool
+    max_batch: int
+    max_wait_ms: float
