@@ -47,3 +47,7 @@ class CheckpointError(RmmError):
 
 class LLMError(RmmError):
     """An LLM backend that failed: transport errors, refusals, missing engines, bad responses."""
+
+
+class ConfigError(RmmError, ValueError):
+    """A setting (YAML file or `key=value` override) that is unknown, of the wrong type or out of range."""

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 pytest.importorskip("lightning")
 
 from rmm.training.pretrain import (
     NoDuplicateBatchSampler,
     Pair,
-    _fused_adamw_supported,
     build,
     build_pairs,
     contrastive_logits,
@@ -24,7 +25,8 @@ from rmm.training.pretrain import (
     run_pretrain,
     split_users,
 )
-from rmm.training.pretrain_cli import add_pretrain_command
+from rmm.training.pretrain.module import _fused_adamw_supported
+from rmm.cli.pretrain import add_pretrain_command
 from rmm.training.pretrain_config import (
     PretrainConfig,
     PretrainConfigError,
@@ -260,9 +262,38 @@ def test_gradient_clipping_caps_the_global_norm(tmp_path: Path, tiny_data_dir: P
     assert norm.item() == pytest.approx(0.5, rel=1e-4)
 
 
-def test_trainer_uses_our_sampler_not_lightnings(tmp_path: Path, tiny_data_dir: Path) -> None:
-    trainer = make_trainer(tiny_config(tmp_path, tiny_data_dir, "minilm"))
-    assert trainer._accelerator_connector.use_distributed_sampler is False
+def test_ddp_trains_on_our_sampler_batches_not_lightnings(tmp_path: Path, tiny_data_dir: Path,
+                                                          tiny_encoder_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a distributed strategy Lightning swaps in its DistributedSampler (and refuses to, for a
+    batch sampler like ours); a one-process gloo DDP run must train on exactly the batches
+    NoDuplicateBatchSampler yields, in its order."""
+    import lightning as L
+    import torch.distributed as dist
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    cfg = tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir, strategy="ddp", max_steps=2)
+    module, data = build(cfg)
+    module.train()
+    seen: list[torch.Tensor] = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+            seen.append(args[1]["queries"]["input_ids"].cpu())
+
+    environ = dict(os.environ)  # Lightning's DDP setup writes the rank/port variables
+    try:
+        make_trainer(cfg, [Record()]).fit(module, datamodule=data)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    sampler = NoDuplicateBatchSampler(data.pairs["train"], cfg.batch_size, seed=cfg.seed)
+    expected = [data.collate("train", indices)["queries"]["input_ids"] for indices in list(sampler)[:2]]
+    assert len(seen) == 2
+    for got, want in zip(seen, expected):
+        assert torch.equal(got, want)
 
 
 def test_lora_without_peft_says_how_to_install(tmp_path: Path, tiny_data_dir: Path, tiny_encoder_dir: Path,
@@ -303,10 +334,22 @@ def test_config_overrides_parse_and_bad_keys_are_refused(tmp_path: Path) -> None
         load_config(tmp_path / "missing.yaml")
 
 
-@pytest.mark.parametrize("name", ["minilm-locomo-cpu", "contriever-a100", "stella-a100", "gte-a100"])
-def test_shipped_recipes_load(name: str) -> None:
-    cfg = load_config(REPO / "configs" / "pretrain" / f"{name}.yaml")
-    assert cfg.batch_size == 32 and cfg.lr == pytest.approx(1e-4)
+@pytest.mark.parametrize("recipe", sorted((REPO / "configs" / "pretrain").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_recipe_loads_and_overrides_win(recipe: Path, tmp_path: Path) -> None:
+    """Each recipe's every key reaches the config (typed), a key=value override changes only its
+    field, and the same recipe with a typo'd key is refused naming the key and the file."""
+    written = yaml.safe_load(recipe.read_text())
+    cfg = load_config(recipe)
+    for key, value in written.items():
+        loaded = getattr(cfg, key)
+        assert loaded == (float(value) if isinstance(loaded, float) else value), key
+    overridden = load_config(recipe, [f"epochs={cfg.epochs + 1}", f"output_dir={tmp_path}"])
+    assert overridden.epochs == cfg.epochs + 1 and overridden.output_dir == str(tmp_path)
+    assert {**overridden.to_dict(), "epochs": cfg.epochs, "output_dir": cfg.output_dir} == cfg.to_dict()
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(recipe.read_text() + "\nhard_negative: 4\n")
+    with pytest.raises(PretrainConfigError, match=rf"\['hard_negative'\] in {typo}.*did you mean hard_negatives"):
+        load_config(typo)
 
 
 def test_cli_command_registers_and_parses_overrides() -> None:

@@ -80,7 +80,7 @@ def test_a_bad_yaml_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_rmm_serve_is_registered_and_refuses_to_run_without_keys(tmp_path: Path, monkeypatch) -> None:
     from rmm.cli import build_parser
-    from rmm.serve.cli import run
+    from rmm.cli.serve import run
 
     monkeypatch.delenv("RMM_API_KEYS", raising=False)
     args = build_parser().parse_args(["serve", "--bank", str(tmp_path / "bank"), "--max-batch", "16", "--no-batching"])

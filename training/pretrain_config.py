@@ -2,25 +2,23 @@
 
 A recipe is a YAML file of `PretrainConfig` fields; the command line may override any field with
 `key=value` (the value is parsed as YAML, so `epochs=2`, `lora=true`, `lora_target_modules=[q,v]`
-work). Unknown keys are refused with the list of valid ones, because a typo silently falling back
-to a default would waste a GPU run.
+work). Loading, typing and the refusal of unknown keys are `rmm.config`'s, shared by every command;
+this module holds the fields and the checks that only make sense for pretraining.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from rmm import config as _config
+from rmm.errors import ConfigError
 
-from rmm.errors import RmmError
-
-
-class PretrainConfigError(RmmError, ValueError):
-    """A pretraining recipe or override that cannot be used."""
+# One error type for every config; the old name stays importable.
+PretrainConfigError = ConfigError
 
 
 @dataclass
@@ -84,14 +82,7 @@ class PretrainConfig:
     eval_device: str = "auto"
 
     def __post_init__(self) -> None:
-        # YAML 1.1 reads `2e-5` (no dot) as a string; accept it for the float options
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("float", float) and isinstance(value, str):
-                try:
-                    setattr(self, f.name, float(value))
-                except ValueError:
-                    raise PretrainConfigError(f"{f.name} must be a number, got {value!r}") from None
+        """Ranges and combinations the field types cannot express (types are checked on loading)."""
         positive_ints = ("batch_size", "max_length", "log_every_n_steps", "rerank_epochs", "lora_r")
         for name in positive_ints:
             value = getattr(self, name)
@@ -123,53 +114,6 @@ class PretrainConfig:
         return dataclasses.asdict(self)
 
 
-FIELDS = {f.name for f in dataclasses.fields(PretrainConfig)}
-
-
-def _check_keys(keys: list[str], where: str) -> None:
-    for key in keys:
-        if key not in FIELDS:
-            close = difflib.get_close_matches(key, sorted(FIELDS), n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise PretrainConfigError(f"unknown pretraining option {key!r} in {where}{hint}; valid options: "
-                                      f"{', '.join(sorted(FIELDS))}")
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """`["epochs=2", "lora=true"]` → `{"epochs": 2, "lora": True}` (values parsed as YAML)."""
-    parsed: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip().lstrip("-").replace("-", "_")
-        if not sep or not key:
-            raise PretrainConfigError(f"override {item!r} is not of the form key=value")
-        try:
-            parsed[key] = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as err:
-            raise PretrainConfigError(f"override {item!r}: cannot parse the value: {err}") from err
-    _check_keys(list(parsed), "the overrides")
-    return parsed
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PretrainConfig:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] | None = None) -> PretrainConfig:
     """A YAML recipe (or the defaults when `path` is None) with `key=value` overrides applied."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise PretrainConfigError(f"pretraining config {path} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise PretrainConfigError(f"{path} is not valid YAML: {err}") from err
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise PretrainConfigError(f"{path} must hold a mapping of options, got {type(loaded).__name__}")
-        _check_keys(list(loaded), str(path))
-        data.update(loaded)
-    data.update(parse_overrides(overrides or []))
-    try:
-        return PretrainConfig(**data)
-    except TypeError as err:  # pragma: no cover - keys are checked above
-        raise PretrainConfigError(str(err)) from err
+    return _config.load_config(PretrainConfig, path, overrides or (), label="pretraining config")

@@ -1,7 +1,8 @@
 """The server's settings: one dataclass tree, read from YAML, overridable from the command line.
 
-Every value is checked when the config is built, so a typo in `serve.yaml` stops the server at
-start-up with a message naming the key, never as a confusing failure under load. API keys may
+Every value is checked when the config is built (reading and typing are `rmm.config`'s, shared by
+every command; the ranges are here), so a typo in `serve.yaml` stops the server at start-up with a
+message naming the key, never as a confusing failure under load. API keys may
 live in the YAML, in an environment variable or in a key file, so that secrets need not sit in a
 file that is committed next to the rest of the configuration.
 """
@@ -12,13 +13,13 @@ import dataclasses
 import hashlib
 import os
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rmm.errors import RmmError
+from rmm import config as _config
+from rmm.errors import ConfigError
 from rmm.policy.learner import LearnerConfig, recipe_config
 
 __all__ = [
@@ -34,10 +35,6 @@ __all__ = [
 DEFAULT_KEYS_ENV = "RMM_API_KEYS"
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _MIN_KEY_LENGTH = 8
-
-
-class ConfigError(RmmError, ValueError):
-    """A server setting that is missing, unknown, of the wrong type or out of range."""
 
 
 @dataclass
@@ -205,105 +202,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
     `None` values in `overrides` are skipped, so argparse defaults of None leave the file's value.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        import yaml
-
-        file = Path(path).expanduser()
-        try:
-            loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"cannot read server config {file}: {exc}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"server config {file} is not valid YAML: {exc}") from exc
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"server config {file} must be a mapping at the top level, got {type(loaded).__name__}")
-        data = loaded
-    for dotted, value in (overrides or {}).items():
-        if value is None:
-            continue
-        target = data
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            child = target.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"cannot set {dotted}: {part} is not a section")
-            target = child
-        target[leaf] = value
-    config = _build(ServeConfig, data, "")
+    given = {key: value for key, value in (overrides or {}).items() if value is not None}
+    config = _config.load_config(ServeConfig, path, given, label="server config")
     config.validate()
     config.auth.resolve(environ)  # fail at start-up on a bad key source, not at the first request
     return config
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    """A dataclass from a mapping: unknown keys and wrong types are `ConfigError`s naming the key."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {[where + k for k in unknown]}; known: {[where + n for n in names]}")
-    values = {name: _coerce(hints[name], data[name], f"{where}{name}") for name in names if name in data}
-    return cls(**values)
-
-
-def _coerce(hint: Any, value: Any, where: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where + ".")
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(arg, value, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError("; ".join(errors))
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where} must be one of {list(args)}, got {value!r}")
-        return value
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where} must be a mapping, got {type(value).__name__}")
-        return dict(value)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where} must be a list, got {type(value).__name__}")
-        return [_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)] if args else list(value)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
-            return value.lower() in ("true", "yes", "on", "1")
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int | str):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
-        try:
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"{where} must be an integer, got {value!r}") from None
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{where} must be a number, got {value!r}") from None
-    if hint is str:
-        if not isinstance(value, str | int | float) or isinstance(value, bool):
-            raise ConfigError(f"{where} must be a string, got {value!r}")
-        return str(value)
-    if hint is Any:
-        return value
-    raise ConfigError(f"{where}: unsupported setting type {hint!r}")
 
 
 def key_digest(key: str) -> str:

@@ -1,0 +1,111 @@
+"""The LightningDataModule: pairs per split, pre-tokenised once, batched by `NoDuplicateBatchSampler`.
+
+Hard negatives are re-mined with the current weights at the start of every epoch (when refresh is
+on), which is why the trainer reloads the training loader each epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from rmm.encoders import Encoder
+from rmm.errors import DataError
+from rmm.training.pretrain.data import UserSplit, build_pairs
+from rmm.training.pretrain.mining import mine_hard_negatives
+from rmm.training.pretrain.module import ContrastiveModule, sync_encoder_device
+from rmm.training.pretrain.sampler import NoDuplicateBatchSampler
+from rmm.training.pretrain_config import PretrainConfig
+from rmm.types import Dataset
+
+
+class PairDataModule(L.LightningDataModule):
+    """Pairs per split, pre-tokenised once; batches from `NoDuplicateBatchSampler`."""
+
+    def __init__(self, dataset: Dataset, encoder: Encoder, cfg: PretrainConfig, split: UserSplit,
+                 module: ContrastiveModule | None = None) -> None:
+        super().__init__()
+        self.dataset, self.encoder, self.cfg, self.split, self.module = dataset, encoder, cfg, split, module
+        self.pairs = {"train": build_pairs(dataset, split.train), "val": build_pairs(dataset, split.val),
+                      "test": build_pairs(dataset, split.test)}
+        if not self.pairs["train"]:
+            raise DataError(f"no (question, gold turn) pairs among the training users {split.train}")
+        self._tokens: dict[tuple[str, str], list[int]] = {}
+        self.hard_negatives: dict[int, list[str]] = {}
+        self._mined_epoch = -1
+
+    def _ids(self, texts: Sequence[str], prefix: str) -> list[list[int]]:
+        missing = [t for t in dict.fromkeys(texts) if (prefix, t) not in self._tokens]
+        if missing:
+            max_length = min(self.cfg.max_length, self.encoder.max_length)
+            encoded = self.encoder.tokenizer([prefix + t for t in missing], truncation=True, max_length=max_length,
+                                             padding=False, return_attention_mask=False,
+                                             return_token_type_ids=False)["input_ids"]
+            for text, ids in zip(missing, encoded):
+                self._tokens[(prefix, text)] = ids or [self.encoder.pad_token_id]
+        return [self._tokens[(prefix, t)] for t in texts]
+
+    def _cpu_collate(self, sequences: list[list[int]]) -> dict[str, Tensor]:
+        device = self.encoder.device
+        self.encoder.device = torch.device("cpu")  # Lightning moves the batch to the model's device
+        try:
+            return self.encoder.collate(sequences)
+        finally:
+            self.encoder.device = device
+
+    def collate(self, split: str, indices: list[int]) -> dict[str, Any]:
+        pairs = [self.pairs[split][i] for i in indices]
+        config = self.encoder.config
+        batch: dict[str, Any] = {
+            "queries": self._cpu_collate(self._ids([p.query for p in pairs], config.query_prefix)),
+            "positives": self._cpu_collate(self._ids([p.passage for p in pairs], config.passage_prefix)),
+            "negatives": None,
+        }
+        if split == "train" and self.cfg.hard_negatives:
+            negatives = [n for i in indices for n in self.hard_negatives.get(i, [])]
+            if negatives:
+                batch["negatives"] = self._cpu_collate(self._ids(negatives, config.passage_prefix))
+        return batch
+
+    def _loader(self, split: str, epoch: int, shuffle: bool, hard_negatives: dict[int, list[str]]) -> DataLoader:
+        """Batches of pair indices from our sampler, sharded to this rank (Lightning's is off)."""
+        trainer = getattr(self, "trainer", None)
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        sampler = NoDuplicateBatchSampler(self.pairs[split], self.cfg.batch_size, seed=self.cfg.seed, shuffle=shuffle,
+                                          hard_negatives=hard_negatives, num_replicas=world, rank=rank)
+        sampler.set_epoch(epoch)
+        return DataLoader(list(range(len(self.pairs[split]))), batch_sampler=sampler,
+                          collate_fn=functools.partial(self.collate, split), num_workers=self.cfg.num_workers)
+
+    def mine(self) -> None:
+        """Hard negatives for every training pair with the module's current weights."""
+        if not self.cfg.hard_negatives:
+            return
+        encoder = self.encoder
+        was_training = encoder.model.training
+        encoder.model.eval()
+        sync_encoder_device(encoder)
+        try:
+            self.hard_negatives = mine_hard_negatives(encoder, self.dataset, self.pairs["train"],
+                                                      self.cfg.hard_negatives, self.cfg.hard_negative_skip)
+        finally:
+            encoder.model.train(was_training)
+
+    def train_dataloader(self) -> DataLoader:
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        stale = not self.hard_negatives or (self.cfg.refresh_hard_negatives and self._mined_epoch != epoch)
+        if self.cfg.hard_negatives and stale:  # once per epoch (Lightning may ask for the loader twice)
+            self.mine()
+            self._mined_epoch = epoch
+        return self._loader("train", epoch, shuffle=True, hard_negatives=self.hard_negatives)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.pairs["val"]:
+            return []
+        return self._loader("val", 0, shuffle=False, hard_negatives={})
