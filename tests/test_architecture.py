@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom (0) to top; a module may import its own layer and those below. Longest prefix wins.
 LAYERS: dict[str, int] = {
-    "rmm.types": 0, "rmm.errors": 0, "rmm.paths": 0, "rmm.device": 0, "rmm.kernels": 0,
+    "rmm.types": 0, "rmm.errors": 0, "rmm.config": 0, "rmm.paths": 0, "rmm.device": 0, "rmm.kernels": 0,
     "rmm.encoders": 1, "rmm.data": 1, "rmm.eval.metrics": 1,
     "rmm.memory": 2,
     "rmm.policy": 3, "rmm.llm": 3, "rmm.prompts": 3,
