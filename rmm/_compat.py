@@ -32,6 +32,8 @@ MOVED_MODULES: dict[str, str] = {
     "rmm.agent": "rmm.frontends.agent",
     "rmm.llm.serve": "rmm.llm.vllm_server",
     "rmm.llm.simulated_backend": "rmm.llm.simulated",
+    "rmm.serve.cli": "rmm.cli.serve",
+    "rmm.training.pretrain_cli": "rmm.cli.pretrain",
 }
 
 

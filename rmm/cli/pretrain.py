@@ -1,20 +1,23 @@
 """`rmm pretrain --config PATH [key=value ...]`: offline contrastive pretraining of a retriever.
 
-Registered on the main CLI's subparsers by `add_pretrain_command`; Lightning is imported only
-when the command runs, so `rmm --help` stays fast and works without the `train` extra.
+The recipe and its overrides are checked right after parsing (a bad value is the parser's one
+`error:` line); Lightning is imported only when the command runs, so `rmm --help` stays fast and
+works without the `train` extra.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 from typing import Any
 
-log = logging.getLogger(__name__)
+from rmm.cli.arguments import add_check
+from rmm.cli.common import add_verbose
+
+__all__ = ["register", "run"]
 
 
-def add_pretrain_command(subparsers: Any) -> argparse.ArgumentParser:
+def register(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "pretrain", help="offline contrastive pretraining of a retriever on a benchmark's gold evidence (Lightning)",
         description="Train an encoder with InfoNCE on (question, gold turn) pairs, split by conversation, and "
@@ -24,15 +27,33 @@ def add_pretrain_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML recipe (default: built-in defaults)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe options")
-    p.set_defaults(func=cmd_pretrain)
+    add_verbose(p)
+    add_check(p, _recipe_problem)
+    p.set_defaults(func=run)
     return p
+
+
+# The name 0.1 exported from rmm.training.pretrain_cli (still importable from there until 0.3).
+add_pretrain_command = register
+
+
+def _recipe_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the recipe and its overrides, if anything (unknown keys, bad values)."""
+    from rmm.errors import ConfigError
+    from rmm.training.pretrain_config import load_config
+
+    try:
+        load_config(args.config, args.overrides)
+    except ConfigError as error:
+        return str(error)
+    return None
 
 
 def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def cmd_pretrain(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from rmm.training.pretrain import run_pretrain
     from rmm.training.pretrain_config import load_config
 

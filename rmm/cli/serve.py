@@ -11,6 +11,9 @@ import logging
 import secrets
 from typing import Any
 
+from rmm.cli.arguments import device, index_backend, non_negative_float, port, positive_int
+from rmm.cli.common import add_verbose
+
 __all__ = ["register", "run"]
 
 log = logging.getLogger("rmm.serve")
@@ -24,18 +27,19 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--bank", help="bank folder (created if absent)")
     p.add_argument("--config", help="YAML settings file (default: built-in defaults)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="listen port (default 8080)")
+    p.add_argument("--port", type=port, help="listen port (default 8080)")
     p.add_argument("--encoder", help="encoder preset or folder (must match the bank)")
-    p.add_argument("--index", dest="index_backend", help="torch | faiss-flat | faiss-ivf | faiss-hnsw")
-    p.add_argument("--device", help="auto | cpu | cuda[:N]")
+    p.add_argument("--index", dest="index_backend", type=index_backend,
+                   help="torch | faiss-flat | faiss-ivf | faiss-hnsw")
+    p.add_argument("--device", type=device, help="auto | cpu | cuda[:N]")
     p.add_argument("--llm", help="LLM spec for prospective reflection (default: the non-LLM fallback)")
-    p.add_argument("--max-batch", type=int, help="queries per batched retrieval call")
-    p.add_argument("--max-wait-ms", type=float, help="how long a query may wait for its batch to fill")
+    p.add_argument("--max-batch", type=positive_int, help="queries per batched retrieval call")
+    p.add_argument("--max-wait-ms", type=non_negative_float, help="how long a query may wait for its batch to fill")
     p.add_argument("--no-batching", action="store_true", help="handle every request on its own (baseline)")
     p.add_argument("--key-file", help="file of 'KEY TENANT' lines (API keys)")
     p.add_argument("--dev-key", action="store_true",
                    help="when no API key is configured, generate one for tenant 'default' and log it")
-    p.add_argument("-v", "--verbose", action="store_true")
+    add_verbose(p)
     p.set_defaults(func=run)
     return p
 
@@ -47,7 +51,6 @@ def run(args: argparse.Namespace) -> int:
     from rmm.serve.app import create_app
     from rmm.serve.config import ConfigError, load_config
 
-    logging.getLogger("rmm").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     overrides = {
         "bank": args.bank, "host": args.host, "port": args.port, "encoder": args.encoder,
         "index_backend": args.index_backend, "device": args.device, "llm": args.llm,
@@ -66,6 +69,6 @@ def run(args: argparse.Namespace) -> int:
         log.warning("no API keys configured; this run accepts the generated key %s (tenant 'default')", key)
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                          timeout_graceful_shutdown=30, access_log=args.verbose))
+                                          timeout_graceful_shutdown=30, access_log=bool(args.verbose)))
     server.run()
     return 0

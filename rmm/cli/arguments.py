@@ -1,0 +1,139 @@
+"""Argument types and cross-flag checks: a bad number, name or combination is one `error:` line
+from the parser (exit 2) before any work starts, never a traceback from deep in the library.
+
+Types import what they check against lazily (at parse time, not at import), so `rmm --help`
+stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+__all__ = [
+    "Check", "CheckedParser", "add_check", "cosine", "device", "index_backend", "m_within_k", "non_negative_float",
+    "non_negative_int", "open_fraction", "port", "positive_float", "positive_int", "positive_probability",
+    "probability", "trainable_citer",
+]
+
+Number = TypeVar("Number", int, float)
+Check = Callable[[argparse.Namespace], str | None]
+
+
+def _number(convert: Callable[[str], Number], requirement: str, accept: Callable[[Number], bool],
+            name: str) -> Callable[[str], Number]:
+    """An argparse type: `convert` the text, then refuse it unless `accept` holds (NaN never does)."""
+
+    def parse(text: str) -> Number:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {requirement}, got {text!r}") from None
+        if (isinstance(value, float) and not math.isfinite(value)) or not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {requirement}, got {text!r}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+positive_int = _number(int, "a positive integer", lambda v: v > 0, "positive_int")
+non_negative_int = _number(int, "an integer ≥ 0", lambda v: v >= 0, "non_negative_int")
+positive_float = _number(float, "a positive number", lambda v: v > 0, "positive_float")
+non_negative_float = _number(float, "a number ≥ 0", lambda v: v >= 0, "non_negative_float")
+probability = _number(float, "a probability in [0, 1]", lambda v: 0 <= v <= 1, "probability")
+positive_probability = _number(float, "a probability in (0, 1]", lambda v: 0 < v <= 1, "positive_probability")
+open_fraction = _number(float, "a fraction strictly between 0 and 1", lambda v: 0 < v < 1, "open_fraction")
+cosine = _number(float, "a cosine similarity in [-1, 1]", lambda v: -1 <= v <= 1, "cosine")
+port = _number(int, "a port number in 1–65535", lambda v: 1 <= v <= 65535, "port")
+
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def device(text: str) -> str:
+    """auto | cpu | mps | cuda[:N], by form only: whether this machine has the device is the
+    run's question (a deployment file is checked on machines without a GPU)."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, mps or cuda[:N], got {text!r}")
+    return text
+
+
+def index_backend(text: str) -> str:
+    """A vector-index backend the bank knows (`rmm.memory.index.BACKENDS`)."""
+    from rmm.memory.index import BACKENDS
+
+    if text not in BACKENDS:
+        raise argparse.ArgumentTypeError(f"unknown index backend {text!r}; use one of {', '.join(BACKENDS)}")
+    return text
+
+
+def trainable_citer(text: str) -> str:
+    """Who cites during `rmm train`: an LLM spec (`rmm.llm.parse_spec`) the online trainer supports.
+
+    Checked as a spec, not against a fixed list, so that LLM citers need no new flag once the
+    trainer supports them; until then a valid spec it cannot use is refused here, by name."""
+    from rmm.errors import LLMError
+    from rmm.llm import parse_spec
+
+    try:
+        backend, _ = parse_spec(text)
+    except LLMError as error:
+        first = str(error).splitlines()[0]
+        raise argparse.ArgumentTypeError(f"{first}; use simulated, openai:URL@MODEL, hf:PATH or vllm:PATH") from None
+    from rmm.training.online import CITERS
+
+    if backend not in CITERS:
+        raise argparse.ArgumentTypeError(f"{text!r} is a {backend} LLM, but online training cites only with "
+                                         f"{' or '.join(CITERS)} for now")
+    return text
+
+
+def m_within_k(args: argparse.Namespace) -> str | None:
+    """The reranker shows M of the K retrieved candidates, so M cannot exceed K."""
+    if args.m > args.k:
+        return f"--m {args.m} must not exceed --k {args.k} (M memories are chosen from K candidates)"
+    return None
+
+
+class CheckedParser(argparse.ArgumentParser):
+    """An `ArgumentParser` that runs cross-flag checks right after parsing; the first message a
+    check returns becomes the parser's own error (usage, one `error:` line, exit 2). Subparsers
+    made through `add_subparsers` are CheckedParsers too.
+
+    `passthrough` names the attribute that receives, verbatim, every argument after the first
+    `--` (arguments for another program); the parser's own options may then come anywhere before it.
+    """
+
+    def __init__(self, *args: Any, passthrough: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks: list[Check] = []
+        self.passthrough = passthrough
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        passed: list[str] = []
+        if self.passthrough is not None:
+            args = list(sys.argv[1:] if args is None else args)
+            if "--" in args:
+                cut = args.index("--")
+                args, passed = args[:cut], args[cut + 1:]
+        parsed, extras = super().parse_known_args(args, namespace)
+        if self.passthrough is not None:
+            setattr(parsed, self.passthrough, passed)
+        for check in self.checks:
+            message = check(parsed)
+            if message:
+                self.error(message)
+        return parsed, extras
+
+
+def add_check(parser: argparse.ArgumentParser, check: Check) -> None:
+    """Run `check` after `parser` parses. Every `rmm` parser is a CheckedParser; a plain
+    `ArgumentParser` a caller builds itself has nowhere to run it and leaves the check to the
+    library, which validates the same values again when the command runs."""
+    if isinstance(parser, CheckedParser):
+        parser.checks.append(check)

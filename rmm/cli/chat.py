@@ -1,0 +1,141 @@
+"""`rmm chat`: a terminal conversation with the RMM agent (memories, citations, online reranker),
+directly or through the goal front end (GOAL-MEM)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+
+from rmm.cli import logs
+from rmm.cli.arguments import device, positive_float
+from rmm.cli.common import DEFAULT_RETRIEVER, add_k_m_options, add_verbose, console, llm_options, load_llm
+from rmm.cli.goal_options import GOAL_LLM_NOTE, add_goal_options, append_trace, goal_config
+from rmm.errors import RmmError
+
+__all__ = ["CHAT_LOG", "print_reply", "register", "run"]
+
+CHAT_LOG = "chat.log"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("chat", help="terminal chat with the RMM agent (memories, citations, online reranker)")
+    p.add_argument("--bank", required=True, help="bank folder (created if absent)")
+    p.add_argument("--user", required=True)
+    p.add_argument("--llm", required=True, help="openai:URL@MODEL | hf:PATH | vllm:PATH | simulated")
+    p.add_argument("--encoder", default=DEFAULT_RETRIEVER, help="encoder preset or folder (must match the bank)")
+    p.add_argument("--frontend", default="direct", choices=("direct", "goal"),
+                   help="direct = one query per message; goal = GOAL-MEM goal decomposition, one query per "
+                        "subgoal, with a trace of every message (" + GOAL_LLM_NOTE + ")")
+    add_goal_options(p)
+    add_k_m_options(p)
+    p.add_argument("--tau", type=positive_float, help="Gumbel temperature (default: the recipe's)")
+    p.add_argument("--recipe", default="auto", choices=("auto", "paper", "normalized"),
+                   help="learner hyper-parameters; auto = normalized (τ 0.05) for L2-normalised encoders "
+                        "such as MiniLM, paper (τ 0.5) otherwise")
+    p.add_argument("--no-learn", action="store_true", help="greedy top-M, no reranker updates")
+    p.add_argument("--structured", action="store_true", help="JSON answers under the schema")
+    p.add_argument("--per-user", action="store_true", help="one reranker per user")
+    p.add_argument("--store-turns", action="store_true", help="also store raw turns as memories at /end")
+    p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    add_verbose(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rmm.encoders import load_encoder
+    from rmm.frontends.agent import Agent
+    from rmm.memory.bank import MemoryBank
+
+    llm = load_llm(args.llm, **llm_options(args))
+    if llm.name == "simulated":
+        raise RmmError("the simulated LLM writes no answers (it only cites, for benchmarks with gold evidence); "
+                       "chat with hf:PATH, openai:URL@MODEL or vllm:PATH")
+    bank = MemoryBank(args.bank, load_encoder(args.encoder, device=args.device), device=args.device)
+    log_path = Path(args.bank) / CHAT_LOG
+    # The screen is for the conversation: library warnings (e.g. a reply's citation problems) go to
+    # a log file beside the bank instead of between the turns.
+    restore_logging = logs.to_file(log_path, args.verbose)
+    try:
+        agent = Agent(bank, llm, k=args.k, m=args.m, tau=args.tau, recipe=args.recipe, learn=not args.no_learn,
+                      structured=args.structured, per_user=args.per_user, store_turns=args.store_turns)
+        try:
+            goal = _goal_frontend(agent, args) if args.frontend == "goal" else None
+            console.print(f"[bold]rmm chat[/bold] · user {args.user} · {llm.name} · bank {args.bank}\n"
+                          "[dim]/end ends the session (prospective reflection) · /memories lists memories · "
+                          f"/quit saves and exits · log: {escape(str(log_path))}[/dim]")
+            _converse(agent, goal, bank, args)
+        finally:
+            agent.close()
+    finally:
+        bank.close()
+        llm.close()
+        restore_logging()
+    console.print("saved")
+    return 0
+
+
+def _converse(agent: Any, goal: Any, bank: Any, args: argparse.Namespace) -> None:
+    """Read lines until /quit or end of input; commands start with a slash."""
+    while True:
+        try:
+            line = input(f"{args.user}> ").strip()
+        except EOFError:
+            return
+        if not line:
+            continue
+        if line == "/quit":
+            return
+        if line == "/end":
+            touched = agent.end_session(args.user)
+            console.print(f"[green]session ended[/green]: {len(touched)} topic memories added or merged")
+        elif line == "/memories":
+            _print_memories(bank, args.user)
+        elif goal is not None:
+            _goal_turn(goal, args, line)
+        else:
+            response = agent.respond(args.user, line)
+            print_reply(response.answer, response.cited)
+            if response.selection is not None and response.feedback.rewards is None:
+                console.print("  [dim](no parseable citation: the reranker skipped this answer)[/dim]")
+
+
+def _goal_frontend(agent: Any, args: argparse.Namespace) -> Any:
+    from rmm.frontends.goal import GoalFrontend
+
+    try:
+        return GoalFrontend(agent, goal_config(args))
+    except ValueError as error:
+        raise RmmError(str(error)) from error
+
+
+def _goal_turn(goal: Any, args: argparse.Namespace, line: str) -> None:
+    """One chat message through the goal front end: the answer, what it cites, and the trace."""
+    from rmm.frontends.trace import print_trace
+
+    response = goal.respond(args.user, line)
+    print_reply(response.answer, response.cited)
+    print_trace(response.trace, console, show_memories=args.verbose > 0)
+    append_trace(args.trace_json, response.trace.to_json())
+
+
+def print_reply(answer: str, cited: list[Any]) -> None:
+    console.print(f"[bold]assistant>[/bold] {escape(answer)}", highlight=False)
+    for memory in cited:
+        console.print(f"  [dim]cited:[/dim] {escape(_short(memory.text))}", highlight=False)
+
+
+def _short(text: str, width: int = 100) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _print_memories(bank: Any, user: str) -> None:
+    if not bank.store.has_user(user):
+        console.print("[dim]no memories yet[/dim]")
+        return
+    for memory in bank.memories(user):
+        console.print(f"  {escape(f'[{memory.kind}]')} {escape(_short(memory.text))}  "
+                      f"[dim]({len(memory.refs)} turns)[/dim]", highlight=False)

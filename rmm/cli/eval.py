@@ -1,0 +1,117 @@
+"""`rmm eval`: Recall@K (and nDCG) of retrievers on a benchmark, per category, at one or several
+memory granularities (turn, session, topic = prospective reflection)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any
+
+from rich.markup import escape
+
+from rmm.cli.arguments import cosine, index_backend, positive_int
+from rmm.cli.common import DEFAULT_RETRIEVER, add_common_options, console, fmt, load_benchmark, load_llm, write_json
+from rmm.cli.tables import Figures, print_figures
+
+__all__ = ["granularity_figures", "register", "report_figures", "run"]
+
+log = logging.getLogger(__name__)
+
+SHORT = {"recall": "R", "recall_any": "any", "recall_all": "all", "ndcg": "nDCG"}
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("eval", help="Recall@K of retrievers on a benchmark, per category")
+    p.add_argument("--dataset", default="locomo", help="locomo | longmemeval[:s|m|oracle] | msc | a file")
+    p.add_argument("--retriever", nargs="+", default=[DEFAULT_RETRIEVER],
+                   help="minilm | bm25 | contriever | stella | gte | an encoder folder (several allowed)")
+    p.add_argument("--granularity", nargs="+", choices=("turn", "session", "topic"), default=["turn"],
+                   help="memory units; topic = built by prospective reflection (several: one comparison table)")
+    p.add_argument("--k", type=positive_int, nargs="+", default=[5, 10], help="cut-offs K of Recall@K")
+    p.add_argument("--index", type=index_backend, default="torch", help="torch | faiss-flat | faiss-ivf | faiss-hnsw")
+    p.add_argument("--llm", help="LLM spec for topic extraction (default: the labelled non-LLM fallback)")
+    p.add_argument("--merge-threshold", type=cosine, default=0.8,
+                   help="fallback topics: cosine above which a topic merges into an existing one")
+    p.add_argument("--json", help="write the numbers as JSON")
+    add_common_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rmm.eval.benchmark_bank import open_retriever
+    from rmm.eval.retrieval import evaluate
+
+    dataset = load_benchmark(args)
+    topics = "topic" in args.granularity
+    llm = load_llm(args.llm) if args.llm and topics else None
+    reflector = {"merge_threshold": args.merge_threshold} if topics else None
+    reports = {}
+    for granularity in args.granularity:
+        for name in args.retriever:
+            opened = open_retriever(name, dataset, granularity, cache=args.cache_dir, device=args.device,
+                                    batch_size=args.batch_size, index_backend=args.index,
+                                    llm=llm if granularity == "topic" else None,
+                                    reflector_options=reflector if granularity == "topic" else None)
+            t0 = time.perf_counter()
+            topic_source = f"PR: {llm.name}" if llm else "PR: fallback topics"
+            label = name if granularity != "topic" else f"{name} ({topic_source})"
+            report = evaluate(dataset, opened.retriever, granularity, args.k, retriever_name=label)
+            log.info("evaluated %s/%s in %.1fs", name, granularity, time.perf_counter() - t0)
+            reports[f"{name}/{granularity}"] = report
+            if len(args.granularity) == 1:
+                print_figures(report_figures(report), console)
+                if report.skipped:
+                    console.print(f"[dim]{report.skipped} questions without gold evidence were skipped[/dim]")
+    if len(args.granularity) > 1:
+        for name in args.retriever:
+            print_figures(granularity_figures([reports[f"{name}/{g}"] for g in args.granularity], name), console)
+    if len(reports) == 1:
+        write_json(args.json, next(iter(reports.values())).to_json())
+    else:
+        write_json(args.json, {key: r.to_json() for key, r in reports.items()})
+    return 0
+
+
+def _category_rows(figures: Figures, first: Any, cells: Any) -> None:
+    """One row per category of `first` (separate ones marked), then the bold headline row;
+    `cells(category)` gives a category's figures, `cells(None)` the headline's."""
+    separate = set(first.separate)
+    for cat, row in first.by_category.items():
+        figures.add_row(f"{cat} {row['name']}" + (" (separate)" if cat in separate else ""), str(row["n"]),
+                        *cells(cat))
+    label = "overall (" + ", ".join(c for c in first.by_category if c not in separate) + ")"
+    figures.add_row(f"[bold]{label}", f"[bold]{first.overall['n']}", *(f"[bold]{c}" for c in cells(None)))
+
+
+def report_figures(report: Any) -> Figures:
+    """One retriever at one granularity: every metric at every K, per category."""
+    metrics = [(f"{m}@{k}", f"{SHORT[m]}@{k}") for k in report.ks for m in SHORT]
+    figures = Figures(title=f"{report.dataset} · {report.retriever} · {report.granularity} granularity (%)",
+                      caption="R = fractional recall, any / all = recall_any / recall_all",
+                      columns=["category", "n", *(short for _, short in metrics)])
+
+    def cells(cat: str | None) -> list[str]:
+        row = report.overall if cat is None else report.by_category[cat]
+        return [fmt(row.get(m)) for m, _ in metrics]
+
+    _category_rows(figures, report, cells)
+    return figures
+
+
+def granularity_figures(reports: list[Any], retriever: str) -> Figures:
+    """One table, granularities side by side (the paper's Fig. 4 comparison)."""
+    first = reports[0]
+    metrics = [(f"recall@{k}", f"R@{k}") for k in first.ks]
+    topic_by = next((f" · topic memories by {escape(r.retriever)}" for r in reports if r.granularity == "topic"), "")
+    figures = Figures(title=f"{first.dataset} · {retriever} · memory granularity (%)",
+                      caption="R = fractional recall. turn and topic are scored on gold turns (topic through its "
+                              "refs), session on gold sessions. topic = prospective reflection" + topic_by,
+                      columns=["category", "n", *(f"{r.granularity} {short}" for r in reports for _, short in metrics)])
+
+    def cells(cat: str | None) -> list[str]:
+        rows = [r.overall if cat is None else r.by_category.get(cat, {}) for r in reports]
+        return [fmt(row.get(m)) for row in rows for m, _ in metrics]
+
+    _category_rows(figures, first, cells)
+    return figures
