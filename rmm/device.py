@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import torch
 
+from rmm.errors import DeviceUnavailableError
+
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """The torch device a setting names; a missing GPU is a user error (one line), not a crash."""
     if isinstance(device, torch.device):
         return device
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise DeviceUnavailableError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from error
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {device!r} requested but CUDA is not available on this machine")
+        raise DeviceUnavailableError(f"device {device!r} requested but CUDA is not available on this machine")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise DeviceUnavailableError(f"device {device!r} requested but this machine has "
+                                     f"{torch.cuda.device_count()} CUDA device(s)")
     return resolved
 
 

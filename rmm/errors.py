@@ -51,3 +51,7 @@ class LLMError(RmmError):
 
 class ConfigError(RmmError, ValueError):
     """A setting (YAML file or `key=value` override) that is unknown, of the wrong type or out of range."""
+
+
+class DeviceUnavailableError(RmmError, RuntimeError):
+    """A device was asked for by name (`cuda`, `cuda:1`) that this machine does not have."""
