@@ -1,4 +1,5 @@
-"""Downloads over a mock transport (never the network) and `load_dataset` name resolution."""
+"""Downloads over a mock transport or a stand-in `hf_hub_download` (never the network), and
+`load_dataset` name resolution."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import httpx2
 import pytest
+from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
 
 import rmm.data as data_pkg
 from rmm.data import DATASETS, load_dataset
@@ -51,6 +54,37 @@ def _patch_source(monkeypatch: pytest.MonkeyPatch, name: str, **changes) -> None
     sources = dict(dl.SOURCES)
     sources[name] = dataclasses.replace(sources[name], **changes)
     monkeypatch.setattr(dl, "SOURCES", sources)
+
+
+class FakeHub:
+    """Stands in for `huggingface_hub.hf_hub_download`: writes `content` where it would, or raises."""
+
+    def __init__(self, content: bytes = b"[]", error: Exception | None = None) -> None:
+        self.content, self.error = content, error
+        self.calls: list[tuple[str, str, str | None, str | None]] = []
+
+    def __call__(self, repo_id: str, filename: str, *, repo_type: str | None = None, revision: str | None = None,
+                 local_dir: str | Path | None = None, **_: object) -> str:
+        self.calls.append((repo_id, filename, repo_type, revision))
+        assert local_dir is not None  # never the shared HF cache: the file lands beside its target
+        if self.error is not None:
+            raise self.error
+        path = Path(local_dir) / filename
+        (Path(local_dir) / ".cache" / "huggingface").mkdir(parents=True)  # the metadata hf_hub_download keeps
+        path.write_bytes(self.content)
+        return str(path)
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> FakeHub:
+    fake = FakeHub()
+    monkeypatch.setattr(dl, "hf_hub_download", fake)
+    return fake
+
+
+def _hub_http_error(status: int) -> RemoteEntryNotFoundError:
+    request = httpx2.Request("HEAD", "https://huggingface.co/x")
+    return RemoteEntryNotFoundError(f"{status} Client Error", response=httpx2.Response(status, request=request))
 
 
 def _leftovers(folder: Path) -> list[Path]:
@@ -97,10 +131,21 @@ def test_network_failure_is_a_clear_error(tmp_path: Path) -> None:
     assert not _leftovers(tmp_path)
 
 
-def test_http_error_status(tmp_path: Path) -> None:
+def test_http_error_status(tmp_path: Path, hub: FakeHub) -> None:
     client = _client(lambda request: httpx.Response(404))
     with pytest.raises(DataError, match="answered HTTP 404"):
-        dl.download("longmemeval", tmp_path, client=client)
+        dl.download("locomo", tmp_path, client=client)
+    hub.error = _hub_http_error(404)
+    with pytest.raises(DataError, match=r"longmemeval_s_cleaned\.json answered HTTP 404"):
+        dl.download("longmemeval", tmp_path)
+    assert not _leftovers(tmp_path) and not list((tmp_path / "longmemeval").iterdir())
+
+
+def test_hub_offline_is_a_clear_error(tmp_path: Path, hub: FakeHub) -> None:
+    hub.error = LocalEntryNotFoundError("cannot find the requested files in the local cache")
+    with pytest.raises(DataError, match=r"could not reach https://huggingface\.co/.*\(offline\?\)") as err:
+        dl.download("longmemeval:oracle", tmp_path)
+    assert str(tmp_path / "longmemeval" / "longmemeval_oracle.json") in str(err.value)
     assert not _leftovers(tmp_path)
 
 
@@ -115,35 +160,40 @@ def test_redirects_are_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert dl.download("locomo", tmp_path, client=_client(handler)).read_bytes() == LOCOMO_BYTES
 
 
-def test_longmemeval_trust_on_first_use(tmp_path: Path) -> None:
+def test_longmemeval_trust_on_first_use(tmp_path: Path, hub: FakeHub) -> None:
     first = b'[{"question_id": "q1"}]'
-    calls: list[str] = []
-    path = dl.download("longmemeval", tmp_path, client=_serve(first, calls))
+    hub.content = first
+    path = dl.download("longmemeval", tmp_path, client=_offline())  # the Hub file never uses the client
     assert path == tmp_path / "longmemeval" / "longmemeval_s_cleaned.json"
-    assert calls == [
+    assert path.read_bytes() == first
+    assert hub.calls == [("xiaowu0162/longmemeval-cleaned", "longmemeval_s_cleaned.json", "dataset", "main")]
+    assert dl.SOURCES["longmemeval:s"].url == (
         "https://huggingface.co/datasets/xiaowu0162/longmemeval-cleaned/resolve/main/"
         "longmemeval_s_cleaned.json"
-    ]
+    )
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, path.name + ".sha256"]  # no staging left
     sidecar = dl.sidecar_path(path)
     assert sidecar.read_text().split() == [_sha(first), path.name]
     # later runs verify against the sidecar without the network
     assert dl.download("longmemeval:s", tmp_path, client=_offline()) == path
+    assert len(hub.calls) == 1
     path.write_bytes(b"[]")
     with pytest.raises(DataError, match="does not match"):
         dl.download("longmemeval:s", tmp_path, client=_offline())
     # a fresh download that differs from the recorded checksum is refused, nothing written
     path.unlink()
+    hub.content = b'[{"question_id": "other"}]'
     with pytest.raises(DataError, match="checksum recorded in"):
-        dl.download("longmemeval:s", tmp_path, client=_serve(b'[{"question_id": "other"}]'))
+        dl.download("longmemeval:s", tmp_path)
     assert not path.exists() and not _leftovers(tmp_path)
 
 
-def test_longmemeval_variants_urls(tmp_path: Path) -> None:
+def test_longmemeval_variants_urls(tmp_path: Path, hub: FakeHub) -> None:
     for name, file in [("longmemeval:oracle", "longmemeval_oracle.json"),
                        ("longmemeval:m", "longmemeval_m_cleaned.json")]:
-        calls: list[str] = []
-        path = dl.download(name, tmp_path, client=_serve(b"[]", calls))
-        assert path.name == file and calls[0].endswith(f"/resolve/main/{file}")
+        path = dl.download(name, tmp_path)
+        assert path.name == file and hub.calls[-1][:2] == ("xiaowu0162/longmemeval-cleaned", file)
+        assert dl.SOURCES[name].url.endswith(f"/resolve/main/{file}")
 
 
 def test_unknown_name(tmp_path: Path) -> None:
@@ -277,3 +327,14 @@ def test_explicit_path_and_unknown(tmp_path: Path) -> None:
 def test_load_real_locomo_by_name(data_root: Path) -> None:
     ds = load_dataset("locomo", data_dir=data_root)
     assert ds.name == "locomo" and len(ds.questions) == 1986
+
+
+def test_real_hub_client_in_offline_mode_gives_the_offline_error(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real `hf_hub_download`, with offline mode forced on: it refuses before any request."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match=r"could not reach .*longmemeval_m_cleaned\.json \(offline\?\)"):
+        dl.download("longmemeval:m", tmp_path)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]

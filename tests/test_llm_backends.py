@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from rmm.errors import LLMError, ModelNotFoundError
-from rmm.llm import load_llm, parse_spec
-from rmm.llm.simulated import SimulatedCiter, SimulatedLLM
+from rmm.llm import LLM, load_llm, parse_spec
+from rmm.llm.simulated import SimulatedCiter, SimulatedLLM, gold_evidence_oracle
 from rmm.policy.citations import parse_citations, parse_json_citations
 from rmm.prompts import (
     ANSWER_SCHEMA,
@@ -53,36 +53,70 @@ def test_vllm_missing_gives_install_hint() -> None:
 
 
 def test_simulated_cites_what_the_oracle_marks_gold() -> None:
-    shown: list[list[str]] = []
+    seen: list[list[str]] = []
 
-    def oracle(texts: list[str]) -> list[bool]:
-        shown.append(texts)
-        return ["hiking" in t for t in texts]
+    def oracle(shown: list[Memory]) -> list[bool]:
+        seen.append([m.id for m in shown])
+        return ["hiking" in m.text for m in shown]
 
     llm = load_llm("simulated", precision=1.0, recall=1.0, oracle=oracle)
-    batch = [
-        answer_messages("What do I like?", memories("Ana likes hiking", "Ana has a cat", "hiking\nin the Alps")),
-        answer_messages("Anything?", memories("Ana has a cat")),
-    ]
-    out = llm.generate(batch)
-    assert shown == [["Ana likes hiking", "Ana has a cat", "hiking\nin the Alps"], ["Ana has a cat"]]
+    first, second = memories("Ana likes hiking", "Ana has a cat", "hiking\nin the Alps"), memories("Ana has a cat")
+    batch = [answer_messages("What do I like?", first), answer_messages("Anything?", second)]
+    out = llm.generate(batch, shown=[first, second])
+    assert seen == [["0", "1", "2"], ["0"]]  # the Memory records themselves, in shown order
     assert all(o.startswith("[simulated answer]") for o in out)
     assert parse_citations(out[0], 3).cited == [0, 2]
     assert parse_citations(out[1], 1).no_cite
-    structured = llm.generate(batch[:1], json_schema=ANSWER_SCHEMA)
+    structured = llm.generate(batch[:1], json_schema=ANSWER_SCHEMA, shown=[first])
     assert json.loads(structured[0])["citations"] == [0, 2]
     assert parse_json_citations(structured[0], 3).cited == [0, 2]
     assert llm.usage.calls == 3
 
 
+def test_gold_evidence_oracle_marks_memories_that_refer_to_gold_turns() -> None:
+    shown = [Memory("a", "u", "topic", "x", refs=["c:D1:1", "c:D1:2"]), Memory("b", "u", "topic", "y", refs=["c:D2:1"]),
+             Memory("c", "u", "topic", "z")]
+    llm = SimulatedLLM(SimulatedCiter(precision=1.0, recall=1.0), oracle=gold_evidence_oracle({"c:D1:2"}))
+    (reply,) = llm.generate([answer_messages("q", shown)], shown=[shown])
+    assert parse_citations(reply, 3).cited == [0]
+    assert list(gold_evidence_oracle([])(shown)) == [False, False, False]
+
+
 def test_simulated_refuses_other_prompts_and_needs_an_oracle() -> None:
     session = Session("s", "u", [Turn("t0", "s", "Ana", "I hike")])
-    llm = SimulatedLLM(SimulatedCiter(), oracle=lambda texts: [False] * len(texts))
+    llm = SimulatedLLM(SimulatedCiter(), oracle=lambda shown: [False] * len(shown))
     for messages in (extraction_messages(session, "Ana"), judge_messages("q", "a", "p")):
         with pytest.raises(LLMError, match="only answers with citations"):
             llm.generate([messages])
+    shown = memories("m")
     with pytest.raises(LLMError, match="oracle"):
-        SimulatedLLM().generate([answer_messages("q", memories("m"))])
+        SimulatedLLM().generate([answer_messages("q", shown)], shown=[shown])
+    with pytest.raises(LLMError, match="oracle returned 2 hits for 1"):
+        SimulatedLLM(oracle=lambda shown: [True, True]).generate([answer_messages("q", shown)], shown=[shown])
+
+
+def test_shown_must_match_the_batch_and_real_backends_never_see_it() -> None:
+    shown = memories("m")
+    llm = SimulatedLLM(oracle=lambda s: [False] * len(s))
+    with pytest.raises(LLMError, match="one list of memories per conversation"):
+        llm.generate([answer_messages("q", shown)] * 2, shown=[shown])
+    with pytest.raises(LLMError, match="Memory records"):
+        llm.generate([answer_messages("q", shown)], shown=[["just text"]])  # type: ignore[list-item]
+
+    class Echo(LLM):  # a backend with the plain `_generate` keywords, as every real one has
+        def _generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0):
+            return [c[-1]["content"][:1] for c in batch]
+
+    assert Echo("echo").generate([[{"role": "user", "content": "hi"}]], shown=[shown]) == ["h"]
+
+
+def test_agenerate_runs_any_backend_from_an_event_loop() -> None:
+    import asyncio
+
+    shown = memories("Ana likes hiking")
+    llm = SimulatedLLM(SimulatedCiter(precision=1.0, recall=1.0), oracle=lambda s: [True] * len(s))
+    (reply,) = asyncio.run(llm.agenerate([answer_messages("q", shown)], shown=[shown]))
+    assert parse_citations(reply, 1).cited == [0]
 
 
 # -- transformers backend on a tiny random model ------------------------------------------------
@@ -218,3 +252,4 @@ def test_hf_folds_system_into_user_for_templates_without_system(tiny_llm) -> Non
     finally:
         tiny_llm.tokenizer.chat_template = original
     assert prompt == "<user>rules\n\nq<assistant>"
+

@@ -1,12 +1,15 @@
-"""The OpenAI-compatible backend against an in-process mock server (httpx.MockTransport)."""
+"""The OpenAI-compatible backend against an in-process mock server (httpx2.MockTransport, which
+the `openai` client's HTTP layer accepts); the client's retry sleeps are recorded, not slept."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 
-import httpx
+import httpx2 as httpx
+import openai
 import pytest
 
 from rmm.errors import LLMError
@@ -22,18 +25,38 @@ def completion(content: str, prompt_tokens: int = 7, completion_tokens: int = 3)
     }
 
 
-def make(handler, **options) -> OpenAILLM:
-    sleeps: list[float] = []
-    llm = OpenAILLM("http://test/v1", "m", transport=httpx.MockTransport(handler), sleep=sleeps.append, **options)
-    llm.sleeps = sleeps  # type: ignore[attr-defined]
-    return llm
+@pytest.fixture(autouse=True)
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The retry delays the client asked for (its sleep returns at once)."""
+    asked: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        asked.append(seconds)
+
+    monkeypatch.setattr(openai._base_client.anyio, "sleep", sleep)
+    return asked
+
+
+@pytest.fixture
+def make(sleeps: list[float]):
+    made: list[OpenAILLM] = []
+
+    def build(handler, **options) -> OpenAILLM:
+        llm = OpenAILLM("http://test/v1", "m", transport=httpx.MockTransport(handler), **options)
+        llm.sleeps = sleeps  # type: ignore[attr-defined]
+        made.append(llm)
+        return llm
+
+    yield build
+    for llm in made:
+        llm.close()
 
 
 def chat(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def test_success_sends_model_messages_and_counts_usage(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_success_sends_model_messages_and_counts_usage(monkeypatch: pytest.MonkeyPatch, make) -> None:
     monkeypatch.setenv("RMM_LLM_API_KEY", "secret")
     seen: list[httpx.Request] = []
 
@@ -51,17 +74,17 @@ def test_success_sends_model_messages_and_counts_usage(monkeypatch: pytest.Monke
     assert (llm.usage.calls, llm.usage.prompt_tokens, llm.usage.completion_tokens) == (1, 7, 3)
 
 
-def test_batch_order_is_kept_under_concurrency() -> None:
+def test_batch_order_is_kept_under_concurrency(make) -> None:
     active, peak = 0, 0
     lock = threading.Lock()
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: httpx.Request) -> httpx.Response:
         nonlocal active, peak
         index = int(json.loads(request.content)["messages"][0]["content"])
         with lock:
             active += 1
             peak = max(peak, active)
-        time.sleep(0.02 * (10 - index) / 10)  # later prompts finish first
+        await asyncio.sleep(0.02 * (10 - index) / 10)  # later prompts finish first
         with lock:
             active -= 1
         return httpx.Response(200, json=completion(f"reply {index}"))
@@ -73,7 +96,7 @@ def test_batch_order_is_kept_under_concurrency() -> None:
     assert llm.usage.calls == 10 and llm.usage.completion_tokens == 30
 
 
-def test_retries_503_then_succeeds() -> None:
+def test_retries_503_then_succeeds(make) -> None:
     calls = 0
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -81,13 +104,13 @@ def test_retries_503_then_succeeds() -> None:
         calls += 1
         return httpx.Response(503, text="busy") if calls < 3 else httpx.Response(200, json=completion("ok"))
 
-    llm = make(handler, backoff_s=0.5)
+    llm = make(handler)
     assert llm.generate([chat("x")]) == ["ok"]
     assert calls == 3 and len(llm.sleeps) == 2
     assert 0.25 <= llm.sleeps[0] <= 0.75 and 0.5 <= llm.sleeps[1] <= 1.5  # exponential with jitter
 
 
-def test_429_honours_retry_after() -> None:
+def test_429_honours_retry_after(make) -> None:
     calls = 0
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -102,7 +125,7 @@ def test_429_honours_retry_after() -> None:
     assert llm.sleeps == [7.0]
 
 
-def test_connection_errors_are_retried() -> None:
+def test_connection_errors_are_retried(make) -> None:
     calls = 0
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -116,7 +139,7 @@ def test_connection_errors_are_retried() -> None:
     assert calls == 2
 
 
-def test_gives_up_after_max_retries_with_clear_error() -> None:
+def test_gives_up_after_max_retries_with_clear_error(make) -> None:
     calls = 0
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -130,7 +153,7 @@ def test_gives_up_after_max_retries_with_clear_error() -> None:
     assert calls == 3
 
 
-def test_client_error_is_not_retried() -> None:
+def test_client_error_is_not_retried(make) -> None:
     llm = make(lambda r: httpx.Response(400, text="context length exceeded"))
     with pytest.raises(LLMError, match="400.*context length"):
         llm.generate([chat("x")])
@@ -145,12 +168,12 @@ def test_client_error_is_not_retried() -> None:
         httpx.Response(200, json={"choices": [{"message": {"content": None}, "finish_reason": "length"}]}),
     ],
 )
-def test_malformed_response_raises_llm_error(response: httpx.Response) -> None:
+def test_malformed_response_raises_llm_error(response: httpx.Response, make) -> None:
     with pytest.raises(LLMError):
         make(lambda r: response).generate([chat("x")])
 
 
-def test_json_schema_is_passed_through_as_response_format() -> None:
+def test_json_schema_is_passed_through_as_response_format(make) -> None:
     bodies: list[dict] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -174,14 +197,109 @@ def test_model_discovered_from_server_when_spec_has_none() -> None:
             return httpx.Response(200, json={"data": [{"id": "served-model"}]})
         return httpx.Response(200, json=completion(json.loads(request.content)["model"]))
 
-    llm = load_llm("openai:http://test/v1", transport=httpx.MockTransport(handler))
-    assert llm.model == "served-model" and llm.generate([chat("x")]) == ["served-model"]
+    with load_llm("openai:http://test/v1", transport=httpx.MockTransport(handler)) as llm:
+        assert llm.model == "served-model" and llm.generate([chat("x")]) == ["served-model"]
+    with pytest.raises(LLMError, match="lists no model"):
+        load_llm("openai:http://test/v1", transport=httpx.MockTransport(lambda r: httpx.Response(200, json={"data": []})))
 
 
-def test_bad_requests_are_rejected_before_sending() -> None:
+def test_bad_requests_are_rejected_before_sending(make) -> None:
     llm = make(lambda r: pytest.fail("must not send"))
     with pytest.raises(LLMError):
         llm.generate([[{"role": "robot", "content": "x"}]])
     with pytest.raises(LLMError):
         llm.generate([chat("x")], max_tokens=0)
     assert llm.generate([]) == []
+
+
+def test_placeholder_key_when_none_is_configured(monkeypatch: pytest.MonkeyPatch, make) -> None:
+    for name in ("RMM_LLM_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=completion("ok"))
+
+    make(handler).generate([chat("x")])
+    monkeypatch.setenv("OPENAI_API_KEY", "from-openai-env")
+    make(handler).generate([chat("x")])
+    assert [r.headers["authorization"] for r in seen] == ["Bearer EMPTY", "Bearer from-openai-env"]
+
+
+def test_dead_server_is_an_llm_error_after_the_retries(make) -> None:
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        raise httpx.ConnectError("connection refused", request=request)
+
+    llm = make(handler, max_retries=3)
+    with pytest.raises(LLMError, match=r"POST http://test/v1/chat/completions failed after 4 tries.*refused"):
+        llm.generate([chat("x")])
+    assert calls == 4 and len(llm.sleeps) == 3
+    assert llm.usage.calls == 0  # nothing answered, nothing counted
+
+
+def test_agenerate_keeps_many_batches_in_flight_from_the_callers_loop(make) -> None:
+    active, peak = 0, 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal active, peak
+        active += 1  # the handler runs on the backend's one loop: no lock needed
+        peak = max(peak, active)
+        await asyncio.sleep(0.01)
+        active -= 1
+        return httpx.Response(200, json=completion(json.loads(request.content)["messages"][0]["content"]))
+
+    llm = make(handler, concurrency=5)
+
+    async def trainer() -> list[list[str]]:
+        return await asyncio.gather(*(llm.agenerate([chat(f"{b}.{i}") for i in range(3)]) for b in range(4)))
+
+    assert asyncio.run(trainer()) == [[f"{b}.{i}" for i in range(3)] for b in range(4)]
+    assert peak == 5  # twelve requests, at most `concurrency` at once across all batches
+    assert llm.usage.calls == 12 and llm.usage.completion_tokens == 36
+    assert asyncio.run(llm.agenerate([])) == []
+    with pytest.raises(LLMError):
+        asyncio.run(llm.agenerate([chat("x")], temperature=-1))
+
+
+def test_one_failure_fails_the_batch_and_cancels_the_rest(make) -> None:
+    started: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        text = json.loads(request.content)["messages"][0]["content"]
+        started.append(text)
+        if text == "bad":
+            return httpx.Response(400, text="prompt too long")
+        if text == "slow":
+            await asyncio.sleep(30)  # only cancellation ends this in time
+        return httpx.Response(200, json=completion(text))
+
+    llm = make(handler, concurrency=4)
+    began = time.perf_counter()
+    with pytest.raises(LLMError, match="failed with HTTP 400: prompt too long"):
+        llm.generate([chat("slow"), chat("bad"), chat("slow")])
+    assert time.perf_counter() - began < 10
+    assert sorted(started) == ["bad", "slow", "slow"]
+    assert llm.generate([chat("again")]) == ["again"]  # the backend is still usable
+
+
+def test_extra_body_reaches_the_server_and_close_stops_the_backend(make) -> None:
+    bodies: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json=completion("ok"))
+
+    llm = make(handler, structured="structured_outputs", extra_body={"top_k": 5})
+    llm.generate([chat("x")], json_schema=ANSWER_SCHEMA)
+    assert bodies[0]["top_k"] == 5 and bodies[0]["structured_outputs"] == {"json": ANSWER_SCHEMA}
+    threads = {t.name for t in threading.enumerate()}
+    assert "rmm-openai-llm" in threads
+    llm.close()
+    llm.close()  # idempotent
+    with pytest.raises(LLMError, match="closed"):
+        llm.generate([chat("x")])

@@ -65,5 +65,11 @@ def test_smollm2_extraction_update_and_answer_parse(smollm2: HFLLM) -> None:
     assert smollm2.usage.calls == 3 and smollm2.usage.completion_tokens > 0
 
 
-def test_convert_gguf_is_cached(smollm2: HFLLM, smollm2_gguf: Path) -> None:
-    assert convert_gguf(smollm2_gguf) == convert_gguf(smollm2_gguf)
+def test_convert_gguf_is_cached(smollm2: HFLLM, smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = convert_gguf(smollm2_gguf)
+    marker = folder / "rmm_gguf_source.txt"
+    written = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    monkeypatch.setattr("rmm.llm.hf._load_gguf_model", lambda path: pytest.fail("converted the GGUF file again"))
+    assert convert_gguf(smollm2_gguf) == folder  # the second call reads the cache, it does not convert
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == written
+    assert marker.read_text().strip() == str(smollm2_gguf.resolve())  # the cache names its source file

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,14 +17,20 @@ from rmm.prompts import (
     PromptParseError,
     UpdateAction,
     answer_messages,
+    decompose_messages,
     extraction_messages,
     extraction_turn_ids,
+    goal_answer_messages,
+    goal_render,
     judge_messages,
     load_template,
     parse_extraction,
     parse_judge,
     parse_shown_memories,
     parse_update,
+    refine_messages,
+    render,
+    unify_messages,
     update_messages,
 )
 from rmm.types import Memory, Session, Turn
@@ -45,9 +53,69 @@ def memory(text: str, source: str = "") -> Memory:
 
 
 # -- rendering --------------------------------------------------------------------------------
-def test_templates_ship_with_the_package() -> None:
-    for name in ("extraction", "update", "answer", "answer_structured", "judge"):
-        assert load_template(name).template.strip()
+RENDERERS: dict[str, Callable[[], list[dict[str, str]]]] = {  # template → one call of its renderer
+    "extraction": lambda: extraction_messages(session(), "Ana"),
+    "update": lambda: update_messages("Ana walks Max daily.", [memory("Ana has a puppy.")]),
+    "answer": lambda: answer_messages("Who is Max?", [memory("Ana has a puppy.")], history=session().turns),
+    "answer_structured": lambda: answer_messages("Who is Max?", [memory("Ana has a puppy.")], structured=True),
+    "judge": lambda: judge_messages("Who is Max?", "a puppy", "Max is a dog."),
+    # GOAL-MEM, with every optional part given
+    "goal_decompose": lambda: decompose_messages("Where?", goal="(A) moved from (x:country).", known=["A is 30"],
+                                                 avoid=["IF A moved THEN goal (unresolved: A moved)"]),
+    "goal_unify": lambda: unify_messages("Q?", "(A) likes (x:food).", "IF A likes (x:food) THEN goal",
+                                         ["A likes (x:food)."], [memory("A: I love ramen")],
+                                         substitution={"y": "Tokyo"}, known=["A lives in Tokyo"]),
+    "goal_refine": lambda: refine_messages("Q?", "goal", "rule", [("A visited (z:cafe).", "no fact names it")],
+                                           [memory("x")], substitution={"y": "Tokyo"}, known=["k"], tried=["t"]),
+    "goal_answer": lambda: goal_answer_messages("Q?", "(A) likes (ramen).", [memory("A: I love ramen")],
+                                                history=session().turns),
+}
+PLACEHOLDER = re.compile(r"\$\{?[A-Za-z_]")
+
+
+@pytest.mark.parametrize("name", sorted(RENDERERS))
+def test_renderer_fills_every_placeholder_of_its_template(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    filled: dict[str, dict[str, str]] = {}
+    module = goal_render if name.startswith("goal_") else render
+    real = module._messages
+
+    def spy(template: str, **values: str) -> list[dict[str, str]]:
+        filled[template] = values
+        return real(template, **values)
+
+    monkeypatch.setattr(module, "_messages", spy)
+    messages = RENDERERS[name]()
+    content = "\n".join(m["content"] for m in messages)
+    assert list(filled) == [name]
+    assert set(filled[name]) == set(load_template(name).get_identifiers())  # none missing, none ignored
+    assert not PLACEHOLDER.search(content) and "@@" not in content
+    assert all(value.strip() in messages[-1]["content"] for value in filled[name].values())
+
+
+def test_answer_prompt_shows_each_memory_with_its_index_in_shown_order() -> None:
+    shown = [memory(text) for text in ("Zoe plays chess.", "Ana has a puppy.", "Max is three.", "Ben cooks.")]
+    user = answer_messages("Who is Max?", shown)[-1]["content"]
+    at = [user.index(f"- Memory [{i}]: {m.text}") for i, m in enumerate(shown)]
+    assert at == sorted(at) and "- Memory [4]" not in user
+    assert user.index("Memories:") < at[0] < at[-1] < user.index("My message: Who is Max?")
+    assert "- Memory [0]: Lena" not in user  # the worked examples stay in the instructions
+
+
+# The output protocol of the paper's Appendix D (its wording, which the parsers rely on).
+PAPER_WORDING = {
+    "extraction": ['"extracted_memories"', '"summary"', '"reference"', "NO_TRAIT"],  # D.1.1
+    "update": ["Add()", "Merge(index, merged_summary)"],  # D.1.2
+    "answer": ["[NO_CITE]", "may repeat or contradict", "[1, 3]"],  # D.2: cite [i] / [i, j, k]
+    "answer_structured": ["may repeat or contradict", '"citations"'],  # D.2 under constrained decoding
+    "judge": ["Yes", "No", "intermediate steps", "essential information"],  # D.3
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_WORDING))
+def test_templates_carry_the_papers_output_protocol(name: str) -> None:
+    instructions = load_template(name).template.partition("@@INPUT@@")[0]
+    missing = [phrase for phrase in PAPER_WORDING[name] if phrase not in instructions]
+    assert not missing, f"{name}.txt lost the paper's wording: {missing}"
 
 
 def test_extraction_prompt_numbers_every_turn_for_the_speaker() -> None:

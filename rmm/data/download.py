@@ -1,8 +1,10 @@
 """Fetch the public benchmark files into the data directory (`rmm data download NAME`).
 
-Every file is streamed to a temporary file beside its target, hashed on the way, and renamed
-into place only when complete and verified, so an interrupted or corrupted download never leaves
-a file the loaders would read.
+Every file is downloaded to a temporary place beside its target, hashed, and renamed into place
+only when complete and verified, so an interrupted or corrupted download never leaves a file the
+loaders would read. Files on the Hugging Face Hub (LongMemEval, `xiaowu0162/longmemeval-cleaned`)
+come through `huggingface_hub.hf_hub_download` (auth, redirects, resumable transfers, offline
+mode); the others (LoCoMo on GitHub, the ParlAI MSC archive) are streamed with httpx.
 
 Checksums: LoCoMo's and the ParlAI MSC archive's SHA-256 are known and enforced. LongMemEval's
 Hugging Face files publish none (and were re-cleaned upstream in 2025), so the first download
@@ -11,7 +13,8 @@ records the SHA-256 of what arrived in a sidecar `{file}.sha256` (trust on first
 until the sidecar is deleted. Loading does not re-hash (LongMemEval-M is 2.7 GB).
 
 Nothing here is called at import time or by the tests with a real network: pass `client` (an
-`httpx.Client`, e.g. over `httpx.MockTransport`) to control the transport.
+`httpx.Client`, e.g. over `httpx.MockTransport`) to control the plain-URL transport; the tests
+replace `hf_hub_download` for the Hub files.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from huggingface_hub import hf_hub_download, hf_hub_url
+from huggingface_hub.errors import (
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+)
 
 from rmm.errors import DataError
 from rmm.paths import data_dir as resolve_data_dir
@@ -34,9 +43,23 @@ from rmm.paths import data_dir as resolve_data_dir
 logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
-_HF = "https://huggingface.co/datasets/xiaowu0162/longmemeval-cleaned/resolve/main"
+LONGMEMEVAL_REPO = "xiaowu0162/longmemeval-cleaned"
 MSC_ARCHIVE_URL = "http://parl.ai/downloads/msc/msc_v0.1.tar.gz"
 _MSC_MEMBER = re.compile(r"(?:^|/)msc_personasummary/session_([1-4])/(train|valid|test)\.txt$")
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """One file of a Hugging Face Hub repository."""
+
+    repo_id: str
+    filename: str
+    repo_type: str = "dataset"
+    revision: str = "main"
+
+    @property
+    def url(self) -> str:
+        return hf_hub_url(self.repo_id, self.filename, repo_type=self.repo_type, revision=self.revision)
 
 
 @dataclass(frozen=True)
@@ -44,12 +67,18 @@ class Source:
     """Where a dataset comes from and where it goes under the data directory."""
 
     name: str
-    url: str
+    url: str  # what messages name; for Hub files, the file's resolve URL
     relative_path: str  # a file, or for archives the folder the loader reads
     sha256: str | None = None  # None: trust on first use (sidecar)
     archive: bool = False
     # For archives: sha256 of extracted files we know, relative to `relative_path`.
     extracted_sha256: dict[str, str] = field(default_factory=dict)
+    hub: HubFile | None = None  # set: downloaded with huggingface_hub instead of from `url`
+
+
+def _longmemeval(variant: str, filename: str) -> Source:
+    hub = HubFile(LONGMEMEVAL_REPO, filename)
+    return Source(name=f"longmemeval:{variant}", url=hub.url, relative_path=f"longmemeval/{filename}", hub=hub)
 
 
 SOURCES: dict[str, Source] = {
@@ -59,21 +88,9 @@ SOURCES: dict[str, Source] = {
         relative_path="locomo/locomo10.json",
         sha256="79fa87e90f04081343b8c8debecb80a9a6842b76a7aa537dc9fdf651ea698ff4",
     ),
-    "longmemeval:s": Source(
-        name="longmemeval:s",
-        url=f"{_HF}/longmemeval_s_cleaned.json",
-        relative_path="longmemeval/longmemeval_s_cleaned.json",
-    ),
-    "longmemeval:oracle": Source(
-        name="longmemeval:oracle",
-        url=f"{_HF}/longmemeval_oracle.json",
-        relative_path="longmemeval/longmemeval_oracle.json",
-    ),
-    "longmemeval:m": Source(
-        name="longmemeval:m",
-        url=f"{_HF}/longmemeval_m_cleaned.json",
-        relative_path="longmemeval/longmemeval_m_cleaned.json",
-    ),
+    "longmemeval:s": _longmemeval("s", "longmemeval_s_cleaned.json"),
+    "longmemeval:oracle": _longmemeval("oracle", "longmemeval_oracle.json"),
+    "longmemeval:m": _longmemeval("m", "longmemeval_m_cleaned.json"),
     "msc": Source(
         name="msc",
         url=MSC_ARCHIVE_URL,
@@ -140,6 +157,29 @@ def _offline_error(source: Source, target: Path, exc: Exception) -> DataError:
     )
 
 
+def _fetch_from_hub(hub: HubFile, source: Source, folder: Path, target: Path) -> tuple[Path, str]:
+    """Download a Hub file into a staging folder in `folder`; return (temp path beside it, sha256)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".download-", dir=folder))
+    try:
+        try:
+            downloaded = Path(hf_hub_download(hub.repo_id, hub.filename, repo_type=hub.repo_type,
+                                              revision=hub.revision, local_dir=staging))
+        except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:  # no connection, or HF_HUB_OFFLINE=1
+            raise _offline_error(source, target, exc) from exc
+        except HfHubHTTPError as exc:
+            raise DataError(f"{source.url} answered HTTP {exc.response.status_code}; download it by hand "
+                            f"and put it at {target}") from exc
+        fd, tmp_name = tempfile.mkstemp(prefix=".download-", suffix=".part", dir=folder)
+        os.close(fd)
+        os.replace(downloaded, tmp_name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    tmp = Path(tmp_name)
+    logger.info("downloaded %s (%d bytes)", source.url, tmp.stat().st_size)
+    return tmp, sha256_file(tmp)
+
+
 def _fetch(source: Source, client: httpx.Client, folder: Path, target: Path) -> tuple[Path, str]:
     """Stream `source.url` into a temporary file in `folder`; return (temp path, sha256)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -148,17 +188,16 @@ def _fetch(source: Source, client: httpx.Client, folder: Path, target: Path) -> 
     digest = hashlib.sha256()
     size = 0
     try:
-        with os.fdopen(fd, "wb") as out:
-            with client.stream("GET", source.url, follow_redirects=True) as response:
-                if response.status_code != 200:
-                    raise DataError(
-                        f"{source.url} answered HTTP {response.status_code}; download it by hand "
-                        f"and put it at {target}"
-                    )
-                for chunk in response.iter_bytes(_CHUNK):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    size += len(chunk)
+        with os.fdopen(fd, "wb") as out, client.stream("GET", source.url, follow_redirects=True) as response:
+            if response.status_code != 200:
+                raise DataError(
+                    f"{source.url} answered HTTP {response.status_code}; download it by hand "
+                    f"and put it at {target}"
+                )
+            for chunk in response.iter_bytes(_CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+                size += len(chunk)
     except httpx.HTTPError as exc:
         tmp.unlink(missing_ok=True)
         raise _offline_error(source, target, exc) from exc
@@ -183,9 +222,14 @@ def _verify_existing_file(source: Source, target: Path) -> None:
         )
 
 
-def _download_file(source: Source, target: Path, client: httpx.Client) -> Path:
+def _download_file(source: Source, target: Path, client: httpx.Client | None) -> Path:
     recorded = None if source.sha256 else _read_sidecar(target)
-    tmp, actual = _fetch(source, client, target.parent, target)
+    if source.hub is not None:
+        tmp, actual = _fetch_from_hub(source.hub, source, target.parent, target)
+    elif client is not None:
+        tmp, actual = _fetch(source, client, target.parent, target)
+    else:
+        raise ValueError(f"{source.url}: a plain-URL download needs an httpx client")
     expected = source.sha256 or recorded
     if expected is not None and actual != expected:
         tmp.unlink(missing_ok=True)
@@ -275,7 +319,8 @@ def download(
     """Make dataset `name` present under the data directory; return the path loaders read.
 
     An existing file is verified (published checksum, or the sidecar recorded at its first
-    download) instead of fetched again.
+    download) instead of fetched again. `client` and `timeout` apply to plain-URL sources; Hub
+    files follow huggingface_hub's own settings (`HF_TOKEN`, `HF_HUB_OFFLINE`, `HF_HUB_DOWNLOAD_TIMEOUT`).
     """
     source = resolve_source(name)
     root = resolve_data_dir(data_dir)
@@ -288,6 +333,8 @@ def download(
         _verify_existing_file(source, target)
         return target
 
+    if source.hub is not None:
+        return _download_file(source, target, None)
     own_client = client is None
     http = client or httpx.Client(timeout=timeout, follow_redirects=True)
     try:

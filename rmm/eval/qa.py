@@ -12,9 +12,9 @@ from tqdm.auto import tqdm
 
 from rmm.eval.retrieval import SEPARATE_CATEGORIES, GoldScorer
 from rmm.frontends.agent import Agent
-from rmm.llm.simulated import SimulatedCiter
+from rmm.llm.simulated import SimulatedLLM, gold_evidence_oracle
 from rmm.memory.sessions import SessionLog
-from rmm.types import Dataset, Memory, Turn
+from rmm.types import Dataset
 
 if TYPE_CHECKING:
     from rmm.frontends.goal import GoalConfig
@@ -67,19 +67,6 @@ class QAReport:
         return asdict(self)
 
 
-class _GoldCitingAgent(Agent):
-    """The agent with the simulated generator: it cites the shown memories that hit gold evidence
-    (with the paper's precision/recall). It writes no answer, so nothing can be judged."""
-
-    def __init__(self, *args: Any, citer: SimulatedCiter, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.citer = citer
-        self.gold: set[str] = set()
-
-    def generate(self, query: str, shown: list[Memory], history: list[Turn]) -> str:
-        return self.citer.respond([bool(self.gold & set(m.refs)) for m in shown])
-
-
 def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None, *, granularity: str = "turn",
                 limit: int | None = None, k: int = 20, m: int = 5, progress: bool = True,
                 judge_batch: int = 16, frontend: str = "direct", goal_config: GoalConfig | None = None,
@@ -96,11 +83,12 @@ def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None,
     """
     if frontend not in ("direct", "goal"):
         raise ValueError(f"frontend must be 'direct' or 'goal', got {frontend!r}")
-    simulated = llm.name.startswith("simulated")
+    simulated = isinstance(llm, SimulatedLLM)
     questions = [q for q in dataset.questions if q.answer and not q.abstention][: limit or None]
     sessions = SessionLog(":memory:")
-    agent_cls, extra = (_GoldCitingAgent, {"citer": SimulatedCiter()}) if simulated else (Agent, {})
-    agent = agent_cls(bank, llm, k=k, m=m, learn=learn, sessions=sessions, checkpoint_every=0, **extra)
+    if simulated:
+        llm.citer.reset()  # it cites the shown memories that hit gold evidence; every evaluation draws alike
+    agent = Agent(bank, llm, k=k, m=m, learn=learn, sessions=sessions, checkpoint_every=0)
     respond = agent.respond
     if frontend == "goal":
         from rmm.frontends.goal import GoalFrontend
@@ -111,7 +99,7 @@ def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None,
     for q in tqdm(questions, desc="answering", unit="q", disable=not progress):
         gold = set(q.evidence_turns)
         if simulated:
-            agent.gold = gold
+            llm.oracle = gold_evidence_oracle(gold)
         response = respond(q.user_id, q.text, remember=False)
         hits = [bool(gold & set(mem.refs)) for mem in response.cited]
         shown_units = set().union(*(scorer.units(mem.refs) for mem in response.shown)) if response.shown else set()

@@ -132,7 +132,7 @@ class Agent:
 
         messages = answer_messages(query, shown, history, structured=self.structured)
         (raw,) = self.llm.generate([messages], json_schema=ANSWER_SCHEMA if self.structured else None,
-                                   max_tokens=self.max_tokens)
+                                   max_tokens=self.max_tokens, shown=[shown])
         return raw
 
     # ---- rerankers and checkpoints ----------------------------------------------------------

@@ -430,7 +430,7 @@ class GoalFrontend:
         shown = [q.memories[i] for i in facts]
         breadth = branch.record.breadth if branch is not None else len(trace.breadths)
         raw = self._call(q, "answer", goal_answer_messages(q.text, goal, shown, q.history), breadth, -1,
-                         self.config.answer_tokens)
+                         self.config.answer_tokens, shown=shown)
         citation = parse_citations(raw, len(shown))
         q.answer_read = citation.cited is not None or citation.no_cite
         if not q.answer_read:
@@ -482,11 +482,12 @@ class GoalFrontend:
         step = branch.step
         step.bindings, step.resolved, step.unresolved = dict(branch.theta), list(branch.resolved), list(branch.unresolved)
 
-    def _call(self, q: _Question, step: str, messages: list[Message], breadth: int, depth: int, max_tokens: int) -> str:
+    def _call(self, q: _Question, step: str, messages: list[Message], breadth: int, depth: int, max_tokens: int,
+              shown: list[Memory] | None = None) -> str:
         llm = self.agent.llm
         before_prompt, before_completion = llm.usage.prompt_tokens, llm.usage.completion_tokens
         started = time.perf_counter()
-        (raw,) = llm.generate([messages], max_tokens=max_tokens)
+        (raw,) = llm.generate([messages], max_tokens=max_tokens, shown=[shown] if shown is not None else None)
         q.trace.calls.append(LLMCall(step=step, breadth=breadth, depth=depth,
                                      prompt_tokens=llm.usage.prompt_tokens - before_prompt,
                                      completion_tokens=llm.usage.completion_tokens - before_completion,

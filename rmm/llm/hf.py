@@ -26,7 +26,7 @@ from typing import Any
 from rmm.device import default_dtype, resolve_device
 from rmm.errors import LLMError, ModelNotFoundError
 from rmm.llm.base import LLM, Message, Usage
-from rmm.llm.openai import with_schema_instruction
+from rmm.llm.schema import with_schema_instruction
 from rmm.paths import cache_dir
 
 __all__ = ["HFLLM", "convert_gguf", "packaged_gguf", "resolve_model_folder"]
@@ -173,26 +173,21 @@ class HFLLM(LLM):
             prompts.append(prompt)
         return prompts
 
-    def _generate(
-        self,
-        batch: list[list[Message]],
-        *,
-        json_schema: dict | None = None,
-        max_tokens: int = 512,
-        temperature: float = 0.0,
-    ) -> list[str]:
+    def _generate(self, batch: list[list[Message]], *, json_schema: dict | None = None, max_tokens: int = 512,
+                  temperature: float = 0.0) -> list[str]:
         import torch
 
         previous_threads = torch.get_num_threads()
         if self.threads is not None and self.device.type == "cpu":
             torch.set_num_threads(max(1, int(self.threads)))
         try:
-            return self._generate(batch, json_schema, max_tokens, temperature)
+            return self._generate_chunks(batch, json_schema, max_tokens, temperature)
         finally:
             torch.set_num_threads(previous_threads)
 
-    def _generate(self, batch: list[list[Message]], json_schema: dict | None, max_tokens: int,
-                  temperature: float) -> list[str]:
+    def _generate_chunks(self, batch: list[list[Message]], json_schema: dict | None, max_tokens: int,
+                         temperature: float) -> list[str]:
+        """Generate `batch_size` prompts at a time (left-padded), counting tokens as they come."""
         import torch
 
         prompts = self._prompts(batch, json_schema)

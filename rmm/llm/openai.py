@@ -1,14 +1,17 @@
-"""Any OpenAI-compatible chat endpoint — the production path is a `vllm serve` server.
+"""Any OpenAI-compatible chat endpoint through the official `openai` client — the production path
+is a `vllm serve` server.
 
-One `httpx.Client` (connection reuse) shared by a bounded thread pool: the batch's requests run
-`concurrency` at a time and come back in the batch's order. Transient failures (429, 5xx,
-connection errors, timeouts) are retried with exponential backoff and jitter, honouring
-`Retry-After`; anything else fails at once with an `LLMError` that quotes the server.
+One `openai.AsyncOpenAI` client (one connection pool) lives on the backend's own event loop
+(`rmm.llm.loop`): `generate` blocks on it, `agenerate` awaits it from any other loop, and one
+asyncio semaphore keeps at most `concurrency` requests in flight across all callers. Retries and
+timeouts are the client's: 408, 409, 429, 5xx and connection errors are retried up to
+`max_retries` times with exponential backoff and jitter, honouring `Retry-After`; anything else,
+or the last failure, becomes an `LLMError` that quotes the server.
 
 Structured output (`json_schema=`) is sent as OpenAI's
 `response_format={"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`, which
 vLLM's OpenAI server enforces with guided decoding. Other servers may need vLLM's own request
-fields instead — pick them with `structured=`:
+fields instead (sent through the client's `extra_body`) — pick them with `structured=`:
 
 * `"response_format"` (default) — the OpenAI field above;
 * `"structured_outputs"` — vLLM ≥ 0.12's extra body `{"structured_outputs": {"json": schema}}`;
@@ -18,57 +21,42 @@ fields instead — pick them with `structured=`:
 Start a server (see `rmm.llm.vllm_server`):
 `python -m vllm.entrypoints.openai.api_server --model PATH --host 127.0.0.1 --port 8000`
 (or `vllm serve PATH`), then use the spec `openai:http://127.0.0.1:8000/v1@PATH`.
-The API key comes from `api_key=`, else `$RMM_LLM_API_KEY`, else `$OPENAI_API_KEY` (none is sent
-when all are empty — a local vLLM server needs none).
+The API key comes from `api_key=`, else `$RMM_LLM_API_KEY`, else `$OPENAI_API_KEY`, else the
+placeholder `EMPTY` (a local vLLM server started without `--api-key` accepts any key).
 """
 
 from __future__ import annotations
 
-import email.utils
-import json
-import logging
+import asyncio
 import os
-import random
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+import weakref
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
-import httpx
+import httpx2
+import openai
+from openai.types.chat import ChatCompletion
 
 from rmm.errors import LLMError
-from rmm.llm.base import LLM, Message, Usage
+from rmm.llm.base import LLM, Message, Shown, Usage
+from rmm.llm.loop import BackgroundLoop
+from rmm.llm.schema import schema_instruction, with_schema_instruction
 
-__all__ = ["RETRY_STATUSES", "OpenAILLM", "schema_instruction"]
+__all__ = ["API_KEY_ENVS", "PLACEHOLDER_API_KEY", "STRUCTURED_MODES", "OpenAILLM", "schema_instruction"]
 
-log = logging.getLogger(__name__)
-
-RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 STRUCTURED_MODES = ("response_format", "structured_outputs", "guided_json", "prompt")
 API_KEY_ENVS = ("RMM_LLM_API_KEY", "OPENAI_API_KEY")
+PLACEHOLDER_API_KEY = "EMPTY"
 
-
-def schema_instruction(json_schema: dict) -> str:
-    """The request for JSON that backends without constrained decoding add to the prompt."""
-    return (
-        "\n\nRespond with only a JSON object (no code fence, no other text) that matches this "
-        f"JSON schema:\n{json.dumps(json_schema)}"
-    )
-
-
-def with_schema_instruction(conversation: list[Message], json_schema: dict) -> list[Message]:
-    """The conversation with the JSON request appended to its last user message."""
-    messages = [dict(m) for m in conversation]
-    for message in reversed(messages):
-        if message["role"] == "user":
-            message["content"] += schema_instruction(json_schema)
-            return messages
-    return messages + [{"role": "user", "content": schema_instruction(json_schema).strip()}]
+T = TypeVar("T")
 
 
 class OpenAILLM(LLM):
-    """Chat completions over HTTP; see the module docstring for retries and structured output."""
+    """Chat completions over HTTP; see the module docstring for retries and structured output.
+
+    `transport` replaces the HTTP transport (an `httpx2.AsyncBaseTransport`, e.g. a mock in tests).
+    """
 
     def __init__(
         self,
@@ -80,148 +68,114 @@ class OpenAILLM(LLM):
         timeout_s: float = 120.0,
         connect_timeout_s: float = 10.0,
         max_retries: int = 5,
-        backoff_s: float = 0.5,
-        max_backoff_s: float = 30.0,
         structured: str = "response_format",
         extra_body: dict[str, Any] | None = None,
-        transport: httpx.BaseTransport | None = None,
-        sleep: Callable[[float], None] = time.sleep,
+        transport: httpx2.AsyncBaseTransport | None = None,
     ) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise LLMError(f"base_url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {base_url!r}")
         if structured not in STRUCTURED_MODES:
             raise LLMError(f"structured must be one of {STRUCTURED_MODES}, got {structured!r}")
-        if concurrency < 1 or max_retries < 0:
-            raise LLMError("concurrency must be >= 1 and max_retries >= 0")
+        if not _int(concurrency) or concurrency < 1 or not _int(max_retries) or max_retries < 0:
+            raise LLMError(f"concurrency must be an int >= 1 and max_retries an int >= 0, got {concurrency!r}, "
+                           f"{max_retries!r}")
         self.base_url = base_url.rstrip("/")
         self.concurrency = concurrency
         self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
         self.structured = structured
         self.extra_body = dict(extra_body or {})
-        self._sleep = sleep
-        self._rng = random.Random()
-        self._rng_lock = threading.Lock()
-        key = api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._client = httpx.Client(
+        key = api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), PLACEHOLDER_API_KEY)
+        limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        self._loop = BackgroundLoop("rmm-openai-llm")
+        self._client = openai.AsyncOpenAI(
             base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-            transport=transport,
+            api_key=key,
+            max_retries=max_retries,
+            timeout=httpx2.Timeout(timeout_s, connect=connect_timeout_s),
+            http_client=openai.DefaultAsyncHttpx2Client(limits=limits, transport=transport),
         )
-        self.model = model or self._first_served_model()
+        self._semaphore = asyncio.Semaphore(concurrency)
+        # Stops the loop thread and closes the connections even when close() is never called.
+        self._closer = weakref.finalize(self, self._loop.stop, self._client.close)
+        self.model = model or self._loop.run(self._first_served_model())
         super().__init__(f"openai:{self.base_url}@{self.model}")
 
-    # -- requests ---------------------------------------------------------------------------
-    def _first_served_model(self) -> str:
+    # -- requests (all run on the backend's loop) -----------------------------------------------
+    async def _first_served_model(self) -> str:
         """A server that serves one model (vLLM) needs no model name in the spec."""
-        body = self._request("GET", "/models", None)
+        page = await self._checked(f"GET {self.base_url}/models", self._client.models.list())
         try:
-            return str(body["data"][0]["id"])
-        except (KeyError, IndexError, TypeError) as error:
-            raise LLMError(
-                f"{self.base_url}/models lists no model; give one as openai:URL@MODEL"
-            ) from error
+            return str(page.data[0].id)
+        except (AttributeError, IndexError, TypeError) as error:
+            raise LLMError(f"{self.base_url}/models lists no model; give one as openai:URL@MODEL") from error
 
-    def _delay(self, attempt: int, response: httpx.Response | None) -> float:
-        if response is not None and (header := response.headers.get("retry-after")):
-            seconds = _retry_after_seconds(header)
-            if seconds is not None:
-                return min(seconds, self.max_backoff_s * 4)
-        with self._rng_lock:
-            jitter = self._rng.uniform(0.5, 1.5)
-        return min(self.max_backoff_s, self.backoff_s * 2**attempt) * jitter
+    async def _checked(self, what: str, request: Awaitable[T]) -> T:
+        """The request's result, or an LLMError saying what failed after how many tries."""
+        try:
+            return await request
+        except openai.APIStatusError as error:
+            tries = int(error.response.request.headers.get("x-stainless-retry-count", 0)) + 1
+            last = f"HTTP {error.status_code}: {error.response.text[:300]}"
+            raise LLMError(f"{what} failed after {_tries(tries)}; last error: {last}" if tries > 1
+                           else f"{what} failed with {last}") from error
+        except openai.APIConnectionError as error:  # connect, read timeout, reset, …: retried by the client
+            cause = error.__cause__ or error
+            raise LLMError(f"{what} failed after {_tries(self.max_retries + 1)}; last error: "
+                           f"{type(cause).__name__}: {cause}") from error
+        except openai.OpenAIError as error:
+            raise LLMError(f"{what} failed: {error}") from error
 
-    def _request(self, method: str, path: str, payload: dict | None) -> Any:
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            response: httpx.Response | None = None
-            try:
-                response = self._client.request(method, path, json=payload)
-            except httpx.TransportError as error:  # connect, read timeout, reset, …
-                last = f"{type(error).__name__}: {error}"
-            else:
-                if response.status_code < 400:
-                    try:
-                        return response.json()
-                    except ValueError as error:
-                        raise LLMError(
-                            f"{method} {self.base_url}{path}: response is not JSON: {response.text[:300]!r}"
-                        ) from error
-                last = f"HTTP {response.status_code}: {response.text[:300]}"
-                if response.status_code not in RETRY_STATUSES:
-                    raise LLMError(f"{method} {self.base_url}{path} failed with {last}")
-            if attempt == self.max_retries:
-                break
-            delay = self._delay(attempt, response)
-            log.warning("%s %s: %s; retry %d/%d in %.1fs", method, path, last, attempt + 1,
-                        self.max_retries, delay)
-            self._sleep(delay)
-        raise LLMError(
-            f"{method} {self.base_url}{path} failed after {self.max_retries + 1} tries; last error: {last}"
-        )
-
-    def _payload(self, conversation: list[Message], json_schema: dict | None, max_tokens: int,
+    def _request(self, conversation: list[Message], json_schema: dict | None, max_tokens: int,
                  temperature: float) -> dict[str, Any]:
+        """Keyword arguments of `chat.completions.create` for one conversation."""
         messages = [dict(m) for m in conversation]
-        payload: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "temperature": temperature}
+        request: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "temperature": temperature}
+        extra_body: dict[str, Any] = {}
         if json_schema is not None:
             if self.structured == "response_format":
-                payload["response_format"] = {
+                request["response_format"] = {
                     "type": "json_schema",
                     "json_schema": {"name": str(json_schema.get("title", "response")), "schema": json_schema,
                                     "strict": True},
                 }
             elif self.structured == "structured_outputs":
-                payload["structured_outputs"] = {"json": json_schema}
+                extra_body["structured_outputs"] = {"json": json_schema}
             elif self.structured == "guided_json":
-                payload["guided_json"] = json_schema
+                extra_body["guided_json"] = json_schema
             else:
                 messages = with_schema_instruction(messages, json_schema)
-        payload["messages"] = messages
-        payload.update(self.extra_body)
-        return payload
+        request["messages"] = messages
+        extra_body.update(self.extra_body)
+        if extra_body:
+            request["extra_body"] = extra_body
+        return request
 
-    def _complete(self, payload: dict[str, Any]) -> tuple[str, Usage]:
-        started = time.perf_counter()
-        body = self._request("POST", "/chat/completions", payload)
-        try:
-            choice = body["choices"][0]
-            content = choice["message"]["content"]
-        except (KeyError, IndexError, TypeError) as error:
-            raise LLMError(f"malformed chat completion from {self.base_url}: {str(body)[:300]}") from error
+    async def _complete(self, request: dict[str, Any]) -> tuple[str, Usage]:
+        async with self._semaphore:
+            completion = await self._checked(f"POST {self.base_url}/chat/completions",
+                                             self._client.chat.completions.create(**request))
+        if not isinstance(completion, ChatCompletion) or not completion.choices:
+            raise LLMError(f"malformed chat completion from {self.base_url}: {str(completion)[:300]}")
+        choice = completion.choices[0]
+        content = getattr(choice.message, "content", None)
         if not isinstance(content, str):
-            reason = choice.get("finish_reason") if isinstance(choice, dict) else None
-            raise LLMError(f"chat completion without text content (finish_reason={reason!r})")
-        usage = body.get("usage") if isinstance(body, dict) else None
-        usage = usage if isinstance(usage, dict) else {}
-        return content, Usage(
-            calls=1,
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
-            seconds=time.perf_counter() - started,
-        )
+            raise LLMError(f"chat completion without text content (finish_reason={choice.finish_reason!r})")
+        usage = completion.usage
+        return content, Usage(calls=1, prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
+                              completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0))
 
-    # -- interface --------------------------------------------------------------------------
-    def _generate(
-        self,
-        batch: list[list[Message]],
-        *,
-        json_schema: dict | None = None,
-        max_tokens: int = 512,
-        temperature: float = 0.0,
-    ) -> list[str]:
+    async def _batch(self, batch: list[list[Message]], json_schema: dict | None, max_tokens: int,
+                     temperature: float) -> list[str]:
+        """Every conversation at once (the semaphore bounds what is in flight), in the batch's order."""
         started = time.perf_counter()
-        payloads = [self._payload(c, json_schema, max_tokens, temperature) for c in batch]
-        workers = min(self.concurrency, len(payloads))
-        if workers == 1:
-            results = [self._complete(p) for p in payloads]
-        else:
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rmm-llm") as pool:
-                results = list(pool.map(self._complete, payloads))  # map keeps the input order
+        tasks = [asyncio.ensure_future(self._complete(self._request(c, json_schema, max_tokens, temperature)))
+                 for c in batch]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # one failed (or the caller gave up): stop the rest
+                task.cancel()
+            raise
         total = Usage(calls=len(results), seconds=time.perf_counter() - started)
         for _, usage in results:
             total.prompt_tokens += usage.prompt_tokens
@@ -229,21 +183,26 @@ class OpenAILLM(LLM):
         self._record(total)
         return [text for text, _ in results]
 
+    # -- interface ------------------------------------------------------------------------------
+    def _generate(self, batch: list[list[Message]], *, json_schema: dict | None = None, max_tokens: int = 512,
+                  temperature: float = 0.0) -> list[str]:
+        return self._loop.run(self._batch(batch, json_schema, max_tokens, temperature))
+
+    async def agenerate(self, batch: list[list[Message]], *, json_schema: dict | None = None, max_tokens: int = 512,
+                        temperature: float = 0.0, shown: Shown | None = None) -> list[str]:
+        """`generate` awaited from the caller's event loop; many calls may be in flight at once."""
+        self._options(batch, json_schema, max_tokens, temperature, shown)
+        if not batch:
+            return []
+        return await self._loop.wait(self._batch(batch, json_schema, max_tokens, temperature))
+
     def close(self) -> None:
-        self._client.close()
+        self._closer()
 
 
-def _retry_after_seconds(header: str) -> float | None:
-    """`Retry-After` as seconds: either a number or an HTTP date."""
-    header = header.strip()
-    try:
-        return max(0.0, float(header))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(header)
-    except (TypeError, ValueError):
-        return None
-    if when is None:
-        return None
-    return max(0.0, when.timestamp() - time.time())
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tries(n: int) -> str:
+    return f"{n} tries" if n != 1 else "1 try"

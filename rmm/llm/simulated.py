@@ -11,29 +11,31 @@ Precision here is micro precision, `E[true cites] / E[all cites]`: expected true
 non-gold shown memories (a per-memory rate capped at 1 — with few non-gold memories shown the
 target precision may be unreachable from below, never from above).
 
-`SimulatedLLM` puts the citer behind the LLM interface. The prompt does not say which shown
-memories hit gold evidence, so the caller (the evaluator, which knows the question's gold)
-supplies an `oracle`: a callable from the memory texts an answer prompt showed (in shown order)
-to one bool per memory. Every reply is labelled "[simulated answer]"; extraction, update and
-judge prompts raise LLMError.
+`SimulatedLLM` puts the citer behind the LLM interface. No prompt says which shown memories hit
+gold evidence, so the caller passes the shown memories themselves (`generate(…, shown=…)`, as
+every answer call site does) and the evaluator, which knows the question's gold, supplies an
+`oracle`: a callable from those `Memory` records (in shown order) to one bool per memory —
+`gold_evidence_oracle(turn_ids)` marks the memories whose `refs` name a gold turn. Every reply is
+labelled "[simulated answer]"; a request without `shown=` (extraction, update, judging) raises
+LLMError.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from rmm.errors import LLMError
-from rmm.llm.base import LLM, Message, Usage
+from rmm.llm.base import LLM, Message, Shown, Usage
 from rmm.policy.citations import format_response
-from rmm.prompts import PromptParseError, parse_shown_memories
+from rmm.types import Memory
 
-__all__ = ["Oracle", "SimulatedCiter", "SimulatedLLM"]
+__all__ = ["Oracle", "SimulatedCiter", "SimulatedLLM", "gold_evidence_oracle"]
 
 
 @dataclass
@@ -81,49 +83,49 @@ class SimulatedCiter:
         return format_response("[simulated answer]", self.cite(gold_hits))
 
 
-Oracle = Callable[[list[str]], Sequence[bool]]
+Oracle = Callable[[Sequence[Memory]], Sequence[bool]]
 
 ANSWER_LABEL = "[simulated answer]"
 
 
+def gold_evidence_oracle(gold_turn_ids: Iterable[str]) -> Oracle:
+    """The oracle of a question whose evidence is these turns: a memory hits when it refers to one."""
+    gold = frozenset(gold_turn_ids)
+    return lambda memories: [not gold.isdisjoint(m.refs) for m in memories]
+
+
 class SimulatedLLM(LLM):
     """`generate` for answer prompts only: `[simulated answer] [0, 2]` (or JSON when asked)."""
+
+    reads_shown = True
 
     def __init__(self, citer: SimulatedCiter | None = None, oracle: Oracle | None = None) -> None:
         super().__init__("simulated")
         self.citer = citer if citer is not None else SimulatedCiter()
         self.oracle = oracle
 
-    def _hits(self, texts: list[str]) -> list[bool]:
+    def _hits(self, memories: Sequence[Memory]) -> list[bool]:
         if self.oracle is None:
             raise LLMError(
-                "the simulated LLM needs an oracle (memory texts → gold hits): set llm.oracle first"
+                "the simulated LLM needs an oracle (shown memories → gold hits): set llm.oracle first"
             )
-        hits = [bool(h) for h in self.oracle(texts)]
-        if len(hits) != len(texts):
-            raise LLMError(f"oracle returned {len(hits)} hits for {len(texts)} shown memories")
+        hits = [bool(h) for h in self.oracle(memories)]
+        if len(hits) != len(memories):
+            raise LLMError(f"oracle returned {len(hits)} hits for {len(memories)} shown memories")
         return hits
 
-    def _generate(
-        self,
-        batch: list[list[Message]],
-        *,
-        json_schema: dict | None = None,
-        max_tokens: int = 512,
-        temperature: float = 0.0,
-    ) -> list[str]:
+    def _generate(self, batch: list[list[Message]], *, json_schema: dict | None = None, max_tokens: int = 512,
+                  temperature: float = 0.0, shown: Shown | None = None) -> list[str]:
+        if shown is None:
+            raise LLMError(
+                "the simulated backend only answers with citations: it needs the memories an answer prompt "
+                "showed (generate(..., shown=...)); extraction, update and judging need a real LLM "
+                "(hf:, openai:, vllm:)"
+            )
         started = time.perf_counter()
         replies: list[str] = []
-        for conversation in batch:
-            try:
-                texts = parse_shown_memories(conversation)
-            except PromptParseError as error:
-                raise LLMError(
-                    "the simulated backend only answers with citations (answer prompts from "
-                    "rmm.prompts.answer_messages); extraction, update and judging need a real LLM "
-                    f"(hf:, openai:, vllm:) — {error}"
-                ) from error
-            hits = self._hits(texts)
+        for memories in shown:
+            hits = self._hits(memories)
             if json_schema is not None:
                 replies.append(json.dumps({"answer": ANSWER_LABEL, "citations": self.citer.cite(hits)}))
             else:

@@ -57,14 +57,8 @@ class VLLMEngine(LLM):
             raise LLMError(f"vLLM could not load {model_path}: {error}") from error
         self._sampling_params = vllm.SamplingParams
 
-    def _generate(
-        self,
-        batch: list[list[Message]],
-        *,
-        json_schema: dict | None = None,
-        max_tokens: int = 512,
-        temperature: float = 0.0,
-    ) -> list[str]:
+    def _generate(self, batch: list[list[Message]], *, json_schema: dict | None = None, max_tokens: int = 512,
+                  temperature: float = 0.0) -> list[str]:
         extra = _structured_kwargs(json_schema) if json_schema is not None else {}
         params = self._sampling_params(max_tokens=max_tokens, temperature=temperature, **extra)
         started = time.perf_counter()

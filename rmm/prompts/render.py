@@ -222,7 +222,8 @@ def is_answer_prompt(conversation: Sequence[Message]) -> bool:
 def parse_shown_memories(conversation: Sequence[Message]) -> list[str]:
     """The memory texts an `answer_messages` prompt showed, in shown order (normalised text).
 
-    The simulated LLM needs them to ask its oracle which shown memories hit gold evidence.
+    For stand-ins that only see the prompt (scripted test LLMs); backends get the memories
+    themselves as `LLM.generate(…, shown=…)` and never parse them back out of text.
     """
     section = _answer_section(conversation)
     if section is None:
