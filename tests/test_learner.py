@@ -324,3 +324,24 @@ def test_checkpoint_without_encoder_name_adopts_the_given_one(tmp_path: Path) ->
     folder = Learner(ResidualLinearReranker(D)).save(tmp_path / "anon")
     assert Learner.load(folder, encoder_name="minilm").encoder_name == "minilm"
     assert Learner.load(folder).encoder_name == ""
+
+
+def test_save_keeps_what_else_the_folder_holds(tmp_path: Path) -> None:
+    """A registry nests other keys' checkpoints in the shared one's folder; a save must keep them."""
+    learner = trained(4)
+    folder = learner.save(tmp_path / "ckpt")
+    (folder / "users" / "x").mkdir(parents=True)
+    (folder / "users" / "x" / "weights").write_text("kept")
+    run_toy(learner, 4, seed=2)
+    learner.save(folder)
+    assert (folder / "users" / "x" / "weights").read_text() == "kept"
+    assert Learner.load(folder).stats.step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_recipes_and_format_stay_importable_from_the_learner() -> None:
+    from rmm.policy import checkpoint, recipes
+
+    assert learner_module.LearnerConfig is recipes.LearnerConfig and learner_module.RECIPES is recipes.RECIPES
+    assert learner_module.recipe_config("paper", True) == LearnerConfig()
+    assert learner_module.FORMAT_VERSION == checkpoint.FORMAT_VERSION

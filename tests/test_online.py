@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 from rmm.training.online import OnlineConfig, OnlineTrainer, split_questions
+from rmm.training.online_plot import figure, plot, plot_series
 
+from rmm.errors import CheckpointError
 from rmm.eval.benchmark_bank import fill
 from rmm.memory.bank import MemoryBank
 from rmm.policy.learner import recipe_for
+from rmm.policy.registry import SHARED, LearnerRegistry
 from rmm.policy.retrieve import RerankedRetriever
 from rmm.types import Dataset, Question, Session, Turn
 
@@ -94,26 +98,95 @@ def test_runs_are_repeatable(problem):
     assert a.to_json() == b.to_json()
 
 
+def crash_then_resume(dataset, bank, cfg: OnlineConfig, out, monkeypatch, after: int) -> OnlineTrainer:
+    """Run with checkpoints into `out`, interrupt it after `after` questions, resume it to the end."""
+    interrupted = OnlineTrainer(dataset, bank, cfg, output_dir=out, progress=False)
+    real_step, calls = interrupted.step, {"n": 0}
+
+    def crash_after(*args):
+        calls["n"] += 1
+        if calls["n"] > after:
+            raise KeyboardInterrupt
+        real_step(*args)
+
+    monkeypatch.setattr(interrupted, "step", crash_after)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.run()
+    return OnlineTrainer(dataset, bank, cfg, output_dir=out, progress=False)
+
+
 def test_interrupted_run_resumes_to_the_same_result(problem, tmp_path, monkeypatch):
     dataset, bank = problem
     cfg = config(epochs=1, checkpoint_every=7)
     straight = OnlineTrainer(dataset, bank, cfg, progress=False).run()
 
-    out = tmp_path / "run"
-    interrupted = OnlineTrainer(dataset, bank, cfg, output_dir=out, progress=False)
-    real_step, calls = interrupted.step, {"n": 0}
-
-    def crash_after_30(*args):
-        calls["n"] += 1
-        if calls["n"] > 30:
-            raise KeyboardInterrupt
-        real_step(*args)
-
-    monkeypatch.setattr(interrupted, "step", crash_after_30)
-    with pytest.raises(KeyboardInterrupt):
-        interrupted.run()
-    resumed = OnlineTrainer(dataset, bank, cfg, output_dir=out, progress=False)
+    resumed = crash_then_resume(dataset, bank, cfg, tmp_path / "run", monkeypatch, after=30)
     assert resumed.run().to_json() == straight.to_json()
+
+
+def test_interrupted_per_user_run_resumes_from_the_registry_layout(problem, tmp_path, monkeypatch):
+    """Per-user learners live where the agent and `rmm serve` keep them: `rerankers/users/<key>`."""
+    dataset, bank = problem
+    cfg = config(epochs=1, per_user=True, checkpoint_every=5)
+    straight = OnlineTrainer(dataset, bank, cfg, progress=False).run()
+    out = tmp_path / "run"
+    resumed = crash_then_resume(dataset, bank, cfg, out, monkeypatch, after=47)  # 2 users done, 7 of the 3rd
+    assert resumed.run().to_json() == straight.to_json()
+    registry = LearnerRegistry(bank.dim, cfg.learner_config(), encoder_name=bank.encoder.fingerprint,
+                               root=out / "rerankers", subdir="users")
+    assert not (out / "rerankers" / "meta.json").exists()  # no shared learner in per-user mode
+    for user in dataset.users:
+        assert (registry.path(user) / "meta.json").exists()
+        assert registry.get(user).stats == resumed.learners.get(user).stats
+
+
+def test_resume_refuses_what_it_cannot_continue_exactly(problem, tmp_path):
+    dataset, bank = problem
+    out = tmp_path / "run"
+    OnlineTrainer(dataset, bank, config(epochs=1), output_dir=out, progress=False).run()
+    assert (out / "rerankers" / "meta.json").exists()  # the shared learner at the registry's root
+    state_file = out / "state.json"
+    state = json.loads(state_file.read_text())
+    assert set(state["learners"]) == {SHARED}
+
+    state_file.write_text(json.dumps({**state, "learners": {SHARED: [0, 0, 0, 0]}}))
+    with pytest.raises(CheckpointError, match="does not match"):  # learners saved, state not: crashed between
+        OnlineTrainer(dataset, bank, config(epochs=1), output_dir=out, progress=False).run()
+    old = {k: v for k, v in state.items() if k not in ("version", "learners")}
+    state_file.write_text(json.dumps({**old, "users": ["*"]}))  # what rmm wrote before the registry
+    with pytest.raises(CheckpointError, match="older rmm"):
+        OnlineTrainer(dataset, bank, config(epochs=1), output_dir=out, progress=False).run()
+    state_file.unlink()
+    with pytest.raises(CheckpointError, match="no state.json"):
+        OnlineTrainer(dataset, bank, config(epochs=1), output_dir=out, progress=False).run()
+
+
+def test_plot_draws_the_questions_the_table_reports(problem, tmp_path):
+    """The curves end at the table's prequential figures (LoCoMo's category 5 left out of both), and
+    the second panel shows the held-out comparison."""
+    dataset, bank = problem
+    locomo = dataclasses.replace(
+        dataset, name="locomo", categories={1: "multi-hop", 2: "temporal", 5: "adversarial"},
+        questions=[dataclasses.replace(q, category=(5 if i % 4 == 0 else 1 + i % 2))
+                   for i, q in enumerate(dataset.questions)])
+    trainer = OnlineTrainer(locomo, bank, config(epochs=1), progress=False)
+    report = trainer.run()
+    series = plot_series(report)
+    headline_train = [q for q in trainer.split.train if q.category != 5]
+    assert report.reranker_prequential["n"] == len(headline_train) < len(trainer.split.train)
+    for label, figure_key in (("retriever alone", "retriever"), ("retriever + reranker", "reranker_prequential")):
+        curve = series.prequential[label]
+        assert len(curve) == len(headline_train)
+        assert curve[-1] == pytest.approx(100 * getattr(report, figure_key)["recall@1"], abs=1e-9)  # the table's %
+    assert list(series.heldout.values()) == pytest.approx([100 * report.retriever_heldout["recall@1"],
+                                                           100 * report.reranker_heldout["recall@1"],
+                                                           100 * report.reranker_heldout_whole_bank["recall@1"]])
+    assert report.headline_questions == "locomo categories 1, 2; 5 adversarial reported apart"
+    assert report.headline_questions in series.prequential_title
+    assert f"{len(headline_train)} training questions" in series.prequential_title
+    assert len(figure(report).axes) == 2
+    png = plot(report, tmp_path / "curves.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_resume_refuses_a_different_configuration(problem, tmp_path):

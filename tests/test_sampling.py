@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from rmm.policy.sampling import gumbel_noise, gumbel_top_m, paper_literal_logp, plackett_luce_logp, top_m
+from rmm.policy.sampling import (
+    gumbel_noise,
+    gumbel_top_m,
+    paper_literal_logp,
+    plackett_luce_logp,
+    top_m,
+)
 
 
 def pl_probability(logits: list[float], order: tuple[int, ...]) -> float:
@@ -140,13 +146,44 @@ def test_m_larger_than_valid_count_raises() -> None:
         top_m(scores, -1)
 
 
-def test_paper_literal_logp_formula() -> None:
-    scores = torch.tensor([[1.0, 2.0, 0.5]])
-    noise = torch.tensor([[0.1, -0.3, 0.2]])
-    chosen = torch.tensor([[1, 0]])
-    got = paper_literal_logp(scores, noise, chosen, 0.5)
-    expected = torch.log_softmax((scores + noise) / 0.5, -1)[:, [1, 0]]
-    torch.testing.assert_close(got, expected)
+def paper_literal_reference(scores: list[float], noise: list[float], order: tuple[int, ...], tau: float) -> list[float]:
+    """The paper's estimator written out: every pick read off one softmax of (s + g)/τ over all K,
+    with no renormalisation after earlier picks."""
+    logits = [(s + g) / tau for s, g in zip(scores, noise)]
+    log_z = math.log(sum(math.exp(x) for x in logits))
+    return [logits[c] - log_z for c in order]
+
+
+def test_paper_literal_logp_against_a_hand_computation() -> None:
+    # (s + g)/τ = [2.2, 3.4, 1.4]; log Σ exp = 3.762230…; picks 1 then 0.
+    got = paper_literal_logp(torch.tensor([[1.0, 2.0, 0.5]]), torch.tensor([[0.1, -0.3, 0.2]]), torch.tensor([[1, 0]]), 0.5)
+    assert got[0].tolist() == pytest.approx([-0.3622301, -1.5622301], abs=1e-6)
+    g = torch.Generator().manual_seed(5)
+    scores, noise = torch.randn(4, 6, generator=g), gumbel_noise((4, 6), generator=g)
+    chosen = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(4)])
+    got = paper_literal_logp(scores, noise, chosen, 0.3)
+    for row in range(4):
+        expected = paper_literal_reference(scores[row].tolist(), noise[row].tolist(), tuple(chosen[row].tolist()), 0.3)
+        assert got[row].tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_log_probs_against_brute_force_enumeration_of_every_ordered_subset() -> None:
+    """K = 5, M = 3: all 60 ordered selections. Plackett–Luce log-probs are exact (they sum to 1);
+    the paper's estimator, without noise, agrees on the first pick only and is no distribution."""
+    k, m, tau = 5, 3, 0.7
+    scores = [0.9, -0.4, 0.3, 1.6, -1.1]
+    logits = [s / tau for s in scores]
+    orders = list(itertools.permutations(range(k), m))
+    chosen = torch.tensor(orders)
+    batch = torch.tensor(scores).expand(len(orders), k)
+    pl = plackett_luce_logp(batch, chosen, tau)
+    exact = [pl_probability(logits, o) for o in orders]
+    assert pl.sum(-1).exp().tolist() == pytest.approx(exact, rel=1e-5)
+    assert sum(exact) == pytest.approx(1.0, abs=1e-12)
+    literal = paper_literal_logp(batch, torch.zeros(len(orders), k), chosen, tau)
+    torch.testing.assert_close(literal[:, 0], pl[:, 0])
+    assert not torch.allclose(literal[:, 1:], pl[:, 1:])  # no renormalisation after a pick
+    assert literal.sum(-1).exp().sum().item() < 0.5  # its "probabilities" of the orderings do not sum to 1
 
 
 def test_gumbel_noise_is_finite_and_standard() -> None:

@@ -9,9 +9,11 @@ After training, held-out questions are scored greedily, beside the retriever alo
 questions. Shared mode holds out whole conversations; per-user mode (one reranker per user) holds
 out the last questions of every conversation.
 
-Resumable: with an output directory, the learner and the stream position are checkpointed every
-`checkpoint_every` questions; every random draw is derived from (seed, epoch, question), so a
-resumed run draws exactly what an uninterrupted one would.
+Resumable: with an output directory, the learners (one `LearnerRegistry` under `rerankers/`: the
+shared one at its root, per-user ones under `rerankers/users/`, the layout the agent and
+`rmm serve` use) and the stream position (`state.json`) are checkpointed every `checkpoint_every`
+questions; every random draw is derived from (seed, epoch, question), so a resumed run draws
+exactly what an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -29,20 +31,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rmm.training.online_plot import plot, running_mean
 from tqdm.auto import tqdm
 
-from rmm.eval.retrieval import GoldScorer, RetrievalReport, scorable, summarize
+from rmm.errors import CheckpointError, ConfigError
+from rmm.eval.retrieval import (
+    SEPARATE_CATEGORIES,
+    GoldScorer,
+    RetrievalReport,
+    scorable,
+    summarize,
+)
 from rmm.llm.simulated import SimulatedCiter
 from rmm.memory.bank import MemoryBank
 from rmm.policy.citations import parse_citations
 from rmm.policy.learner import Learner, LearnerConfig, rewards_from_citations
-from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.registry import SHARED, LearnerRegistry
 from rmm.policy.retrieve import RerankedRetriever
 from rmm.types import Candidates, Dataset, Question
+
+__all__ = ["OnlineConfig", "OnlineReport", "OnlineTrainer", "Split", "headline", "headline_questions", "plot",
+           "split_questions"]
 
 log = logging.getLogger(__name__)
 
 CITERS = ("simulated",)
+STATE_VERSION = 2  # 2: learners in a LearnerRegistry under rerankers/ (1 had rerankers/0000, …)
 
 @dataclass
 class OnlineConfig:
@@ -129,8 +143,9 @@ class OnlineReport:
     split: str
     config: dict[str, Any]
     cited_ratio: list[float] = field(default_factory=list)
-    prequential_curve: dict[str, list[float]] = field(default_factory=dict)
+    prequential_curve: dict[str, list[float]] = field(default_factory=dict)  # running means, headline questions
     learner: dict[str, Any] = field(default_factory=dict)
+    headline_questions: str = ""  # which questions the table's figures and the curves cover
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,21 +162,24 @@ class OnlineTrainer:
         self.progress, self.wandb_run = progress, wandb_run
         self.scorer = GoldScorer.for_dataset(dataset, "turn")
         self.split = split_questions(dataset, scorable(dataset.questions, self.scorer), cfg)
-        self.learners: dict[str, Learner] = {}
+        root = self.output_dir / "rerankers" if self.output_dir else None
+        self.learners = LearnerRegistry(bank.dim, cfg.learner_config(), encoder_name=bank.encoder.fingerprint,
+                                        device=bank.device, root=root, subdir="users")
         self.refs: dict[str, list[str]] = {}
         # Stream state (everything a resume needs besides the learners).
         self.position = 0
+        self._recorded: set[str] = set()  # keys whose checkpoints state.json vouches for
         self.rows: dict[str, dict[str, dict[str, float]]] = {"retriever": {}, "reranker": {}}
         self.cited_ratio: list[float] = []
 
     # -- pieces -----------------------------------------------------------------------------
     def learner_for(self, user: str) -> Learner:
-        key = user if self.cfg.per_user else "*"
+        key = user if self.cfg.per_user else SHARED
         if key not in self.learners:
             torch.manual_seed(self.cfg.seed)
-            self.learners[key] = Learner(ResidualLinearReranker(self.bank.dim), self.cfg.learner_config(),
-                                         encoder_name=self.bank.encoder.fingerprint, device=self.bank.device)
-        return self.learners[key]
+            if key not in self._recorded:  # a checkpoint state.json does not name is a half-done save's
+                self.learners.drop(key, delete_checkpoint=True)
+        return self.learners.get(key)
 
     def candidates(self, questions: list[Question]) -> dict[str, Candidates]:
         """The frozen retriever's top-K for every question, computed once per user."""
@@ -211,6 +229,9 @@ class OnlineTrainer:
         stream = [(e, q) for e in range(cfg.epochs) for q in self.split.train]
         if self.output_dir and (self.output_dir / "state.json").exists():
             self._resume()
+        elif self.output_dir and (self.output_dir / "rerankers").exists():
+            raise CheckpointError(f"{self.output_dir} holds reranker checkpoints but no state.json to resume from; "
+                                  "use another --output directory")
         bar = tqdm(total=len(stream), initial=self.position, desc="online training", unit="q",
                    disable=not self.progress)
         while self.position < len(stream):
@@ -221,8 +242,8 @@ class OnlineTrainer:
             if self.output_dir and self.position % cfg.checkpoint_every == 0:
                 self._checkpoint()
         bar.close()
-        for learner in self.learners.values():
-            learner.flush()
+        for key in self.learners:
+            self.learners.get(key).flush()
         if self.output_dir:
             self._checkpoint()
         held: dict[str, dict[str, dict[str, float]]] = {"retriever": {}, "reranker": {}, "reranker_bank": {}}
@@ -245,12 +266,12 @@ class OnlineTrainer:
             return {**rep.overall, "by_category": rep.by_category}
 
         train_qs = [q for q in self.split.train if q.id in self.rows["reranker"]]
-        key = f"recall@{self.cfg.eval_k}"
-        curve = {}
-        for name, rows in self.rows.items():
-            values = [rows[q.id][key] for q in train_qs]
-            curve[name] = moving_average(values, len(values))  # a window of everything: the running mean
-        learners = {u: asdict(learner.stats) for u, learner in self.learners.items()}
+        # The curves cover the questions `summarize` puts in the headline, so they end at the table's figures.
+        separate = set(SEPARATE_CATEGORIES.get(self.dataset.name, ()))
+        metric = f"recall@{self.cfg.eval_k}"
+        curve = {name: running_mean([rows[q.id][metric] for q in train_qs if q.category not in separate])
+                 for name, rows in self.rows.items()}
+        learners = {k: asdict(learner.stats) for k, learner in self.learners.items()}
         return OnlineReport(
             retriever=summary(self.rows["retriever"], train_qs),
             reranker_prequential=summary(self.rows["reranker"], train_qs),
@@ -259,29 +280,42 @@ class OnlineTrainer:
             reranker_heldout_whole_bank=summary(held["reranker_bank"], self.split.heldout),
             citer=f"{self.cfg.citer} (precision {self.cfg.precision}, recall {self.cfg.recall})",
             split=self.split.description, config=asdict(self.cfg), cited_ratio=self.cited_ratio,
-            prequential_curve=curve, learner=learners if self.cfg.per_user else learners.get("*", {}),
+            prequential_curve=curve, learner=learners if self.cfg.per_user else learners.get(SHARED, {}),
+            headline_questions=headline_questions(self.dataset),
         )
 
     def _checkpoint(self) -> None:
+        """Learners first, then the stream state that names how far each one got."""
         assert self.output_dir is not None
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        for i, (user, learner) in enumerate(sorted(self.learners.items())):
-            learner.save(self.output_dir / "rerankers" / f"{i:04d}")
-        state = {"position": self.position, "rows": self.rows, "cited_ratio": self.cited_ratio,
-                 "users": sorted(self.learners), "config": asdict(self.cfg)}
+        self.learners.save()  # those that learned since the last checkpoint
+        state = {"version": STATE_VERSION, "position": self.position, "rows": self.rows,
+                 "cited_ratio": self.cited_ratio, "learners": {k: _progress(lr) for k, lr in self.learners.items()},
+                 "config": asdict(self.cfg)}
         _atomic_write_json(self.output_dir / "state.json", state)
 
     def _resume(self) -> None:
         assert self.output_dir is not None
         state = json.loads((self.output_dir / "state.json").read_text())
+        if state.get("version") != STATE_VERSION:
+            raise CheckpointError(f"{self.output_dir} holds a run written by an older rmm (another checkpoint "
+                                  "layout); it cannot be resumed: use another --output directory")
         if state["config"] != asdict(self.cfg):
-            raise ValueError(f"{self.output_dir} holds a run with a different configuration; "
-                             "use another --output directory or the same settings")
+            raise ConfigError(f"{self.output_dir} holds a run with a different configuration; "
+                              "use another --output directory or the same settings")
         self.position, self.rows, self.cited_ratio = state["position"], state["rows"], state["cited_ratio"]
-        for i, user in enumerate(state["users"]):
-            self.learners[user] = Learner.load(self.output_dir / "rerankers" / f"{i:04d}", device=self.bank.device,
-                                               encoder_name=self.bank.encoder.fingerprint, dim=self.bank.dim)
+        self._recorded = set(state["learners"])
+        for key, progress in state["learners"].items():
+            if _progress(self.learners.get(key)) != progress:  # loaded from rerankers/
+                who = repr(key) if key else "the shared learner"
+                raise CheckpointError(f"{self.output_dir}: the reranker checkpoint of {who} does not match "
+                                      "state.json (interrupted while saving); use another --output directory")
         log.info("resumed at question %d of the stream", self.position)
+
+
+def _progress(learner: Learner) -> list[int]:
+    """How far a learner got: what a resumed run checks its checkpoint against."""
+    return [learner.stats.records, learner.stats.skipped_no_citation, learner.pending, learner.stats.step]
 
 
 def _seed(seed: int, epoch: int, qid: str) -> int:
@@ -297,46 +331,16 @@ def _atomic_write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def moving_average(values: list[float], window: int) -> list[float]:
-    """Mean of the last `window` values at each step (fewer at the start)."""
-    window = max(1, min(window, len(values)))
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
-def plot(report: OnlineReport, path: str | Path) -> Path:
-    """Prequential recall@K of reranker vs retriever, and the cited ratio over steps (paper Fig. 6)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    k = report.config["eval_k"]
-    for name, label in (("retriever", "retriever alone"), ("reranker", "retriever + reranker")):
-        ys = report.prequential_curve.get(name, [])
-        left.plot(range(1, len(ys) + 1), ys, label=label)
-    left.set_xlabel("training questions seen")
-    left.set_ylabel(f"prequential recall@{k} (running mean)")
-    left.set_title("Retrieval, scored before each update")
-    left.legend()
-    ratio = report.cited_ratio
-    window = max(1, len(ratio) // 20)
-    right.plot(range(1, len(ratio) + 1), moving_average(ratio, window), color="tab:green")
-    right.set_xlabel("RL step (question)")
-    right.set_ylabel(f"cited / shown (moving avg, {window})")
-    right.set_title(f"Cited ratio — citer: {report.citer.split(' ')[0]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+def headline_questions(dataset: Dataset) -> str:
+    """Which questions the headline figures cover, in words (e.g. LoCoMo without category 5)."""
+    separate = SEPARATE_CATEGORIES.get(dataset.name, ())
+    if not separate:
+        return "all categories"
+    kept = sorted(c for c in dataset.categories if c not in separate)
+    run = len(kept) > 2 and kept == list(range(kept[0], kept[-1] + 1))
+    span = f"{kept[0]}–{kept[-1]}" if run else ", ".join(map(str, kept))
+    left_out = ", ".join(f"{c} {dataset.categories.get(c, '')}".strip() for c in separate)
+    return f"{dataset.name} categories {span}; {left_out} reported apart"
 
 
 def headline(report: OnlineReport) -> list[tuple[str, float, float]]:

@@ -64,6 +64,7 @@ from rmm.frontends.trace import (
     UnifyRecord,
 )
 from rmm.policy.citations import parse_citations
+from rmm.policy.registry import SHARED
 from rmm.policy.retrieve import RerankedRetriever
 from rmm.prompts import (
     Decomposition,
@@ -195,7 +196,6 @@ class GoalFrontend:
         self.m = self.config.m or agent.m
         if self.m > self.k:
             raise ValueError(f"cannot select M={self.m} memories out of K={self.k} candidates")
-        self._saved_records: dict[str, int] = {}
 
     # ---- one question ---------------------------------------------------------------------------
     def respond(self, user: str, query: str, *, remember: bool = True) -> GoalResponse:
@@ -499,15 +499,9 @@ class GoalFrontend:
         return raw
 
     def _maybe_checkpoint(self, user: str) -> None:
-        """Save the shared reranker every `checkpoint_every` rewarded selections, as the agent does."""
-        if not self.agent.learn or not self.agent.checkpoint_every:
-            return
-        key = user if self.agent.per_user else ""
-        records = self.agent.learner(user).stats.records
-        saved = self._saved_records.setdefault(key, 0)
-        if records - saved >= self.agent.checkpoint_every:
-            self.agent.save()
-            self._saved_records[key] = records
+        """Save the user's reranker every `checkpoint_every` rewarded selections, through the agent's
+        registry (one count per learner, whichever front end the selections came through)."""
+        self.agent.learners.maybe_save(user if self.agent.per_user else SHARED)
 
 
 # ---- NL-Logic helpers --------------------------------------------------------------------------------

@@ -6,31 +6,31 @@ arrive after the selection was made (maybe much later, from another process), so
 keeps only what it needs to recompute log π *with gradients under the current weights*: the query
 and candidate embeddings, the picks, and the Gumbel noise (for the paper-literal estimator).
 
-A checkpoint is a folder — `reranker.safetensors`, `optimizer.pt` (optimizer state plus records
-still waiting in the batch buffer, so resuming is exact), `meta.json` (dim, encoder, step, stats,
-config, format version, file checksums) — written to a temporary sibling and swapped in, so a
-crash mid-save never leaves a half-written checkpoint where the old one was.
+Hyper-parameters and their recipes live in `rmm.policy.recipes`, the checkpoint folder format in
+`rmm.policy.checkpoint`; both are re-exported here for callers.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import os
-import shutil
-import uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from rmm.device import resolve_device
-from rmm.errors import CheckpointError, DimensionMismatchError, EncoderMismatchError
+from rmm.errors import CheckpointError, DimensionMismatchError
+from rmm.policy.checkpoint import FORMAT_VERSION, read_checkpoint, write_checkpoint
+from rmm.policy.recipes import (
+    RECIPES,
+    LearnerConfig,
+    is_normalized_encoder,
+    recipe_config,
+    recipe_for,
+)
 from rmm.policy.reranker import ResidualLinearReranker
 from rmm.policy.sampling import paper_literal_logp, plackett_luce_logp
 from rmm.types import Selection
@@ -48,69 +48,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-_WEIGHTS, _OPTIMIZER, _META = "reranker.safetensors", "optimizer.pt", "meta.json"
-
-
-@dataclass
-class LearnerConfig:
-    lr: float = 1e-3
-    batch_size: int = 4
-    baseline: float | Literal["mean"] = 0.5
-    tau: float = 0.5
-    estimator: Literal["plackett-luce", "paper"] = "plackett-luce"
-    optimizer: Literal["adam", "sgd"] = "adam"
-    max_grad_norm: float | None = None
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
-        if self.baseline != "mean" and (isinstance(self.baseline, str) or not math.isfinite(self.baseline)):
-            raise ValueError(f"baseline must be a finite number or 'mean', got {self.baseline!r}")
-        if not self.tau > 0:
-            raise ValueError(f"tau must be > 0, got {self.tau}")
-        if self.estimator not in ("plackett-luce", "paper"):
-            raise ValueError(f"estimator must be 'plackett-luce' or 'paper', got {self.estimator!r}")
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-
-
-# Hyper-parameter recipes. `paper` is RMM Appendix A.1 verbatim (τ 0.5, b 0.5, Adam lr 1e-3,
-# batch 4), tuned there for Contriever's unnormalised dot products. For an L2-normalised encoder
-# (MiniLM, Stella, GTE) the top-20 scores are cosines a few hundredths apart, so s/τ at τ = 0.5 is
-# nearly flat: Gumbel sampling is close to uniform and the learner mostly hears "not cited".
-# `normalized` sharpens τ, uses the running-mean reward baseline and a smaller step; it was chosen
-# on the prequential stream of LoCoMo's training conversations only (never the held-out ones).
-RECIPES: dict[str, dict[str, Any]] = {
-    "paper": {},
-    "normalized": {"tau": 0.05, "baseline": "mean", "lr": 3e-4},
-}
-
-
-def recipe_for(name: str, normalized_encoder: bool) -> dict[str, Any]:
-    """`auto` picks `normalized` for L2-normalised encoders and `paper` otherwise."""
-    if name == "auto":
-        name = "normalized" if normalized_encoder else "paper"
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; choose from {sorted(RECIPES)} or 'auto'")
-    return {"recipe": name, **RECIPES[name]}
-
-
-def is_normalized_encoder(encoder: Any) -> bool:
-    """Whether an encoder L2-normalises its embeddings (read from its config; False if unknown)."""
-    return bool(getattr(getattr(encoder, "config", None), "normalize", False))
-
-
-def recipe_config(name: str, normalized_encoder: bool, **overrides: Any) -> LearnerConfig:
-    """The LearnerConfig of a recipe; `overrides` that are not None win."""
-    values = {k: v for k, v in recipe_for(name, normalized_encoder).items() if k != "recipe"}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return LearnerConfig(**values)
 
 
 @dataclass
@@ -322,34 +259,13 @@ class Learner:
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the checkpoint folder atomically (temp sibling, then swap); returns its path."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            tmp.mkdir()
-            weights = {k: v.detach().contiguous().cpu() for k, v in self.reranker.state_dict().items()}
-            save_file(weights, str(tmp / _WEIGHTS))
-            torch.save(
-                {"optimizer": self.optimizer.state_dict(), "pending": [p.to_state() for p in self._buffer]},
-                tmp / _OPTIMIZER,
-            )
-            meta = {
-                "format_version": FORMAT_VERSION,
-                "kind": "rmm-reranker",
-                "dim": self.dim,
-                "encoder_name": self.encoder_name,
-                "step": self.stats.step,
-                "stats": asdict(self.stats),
-                "config": asdict(self.config),
-                "sha256": {name: _sha256(tmp / name) for name in (_WEIGHTS, _OPTIMIZER)},
-            }
-            (tmp / _META).write_text(json.dumps(meta, indent=2))
-            for name in (_WEIGHTS, _OPTIMIZER, _META):
-                _fsync(tmp / name)
-            _swap_in(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        target = write_checkpoint(
+            path,
+            weights=self.reranker.state_dict(),
+            training={"optimizer": self.optimizer.state_dict(), "pending": [p.to_state() for p in self._buffer]},
+            meta={"dim": self.dim, "encoder_name": self.encoder_name, "step": self.stats.step,
+                  "stats": asdict(self.stats), "config": asdict(self.config)},
+        )
         log.info("saved reranker checkpoint %s (step %d)", target, self.stats.step)
         return target
 
@@ -362,38 +278,19 @@ class Learner:
         device: str | torch.device = "cpu",
     ) -> Learner:
         """Resume from `save`'s folder; refuses another encoder or dimension than expected."""
-        folder = _recover(Path(path))
-        meta = _read_meta(folder)
-        if dim is not None and meta["dim"] != dim:
-            raise DimensionMismatchError(
-                f"checkpoint {folder} is for dimension {meta['dim']}, expected {dim}"
-            )
-        if encoder_name is not None and meta["encoder_name"] == "" and encoder_name:
-            log.warning("checkpoint %s does not name its encoder; assuming %r", folder, encoder_name)
-            meta["encoder_name"] = encoder_name
-        elif encoder_name is not None and meta["encoder_name"] != encoder_name:
-            raise EncoderMismatchError(
-                f"checkpoint {folder} was trained on encoder {meta['encoder_name']!r}, not {encoder_name!r}"
-            )
-        for name, digest in meta.get("sha256", {}).items():
-            if not (folder / name).is_file():
-                raise CheckpointError(f"checkpoint {folder} lacks {name}")
-            if _sha256(folder / name) != digest:
-                raise CheckpointError(f"checkpoint file {folder / name} is corrupt (checksum mismatch)")
+        saved = read_checkpoint(path, encoder_name=encoder_name, dim=dim)
+        meta = saved.meta
         try:
-            config = LearnerConfig(**{f.name: meta["config"][f.name] for f in fields(LearnerConfig) if f.name in meta["config"]})
-            weights = load_file(str(folder / _WEIGHTS))
-            state = torch.load(folder / _OPTIMIZER, map_location="cpu", weights_only=True)
+            config = LearnerConfig(**{f.name: meta["config"][f.name] for f in fields(LearnerConfig)
+                                      if f.name in meta["config"]})
             reranker = ResidualLinearReranker(int(meta["dim"]))
-            reranker.load_state_dict(weights)
+            reranker.load_state_dict(saved.weights)
             learner = cls(reranker, config, encoder_name=meta["encoder_name"], device=device)
-            learner.optimizer.load_state_dict(state["optimizer"])
-            learner._buffer = [_Pending.from_state(s) for s in state["pending"]]
+            learner.optimizer.load_state_dict(saved.training["optimizer"])
+            learner._buffer = [_Pending.from_state(s) for s in saved.training["pending"]]
             learner.stats = LearnerStats(**meta["stats"])
-        except (CheckpointError, DimensionMismatchError, EncoderMismatchError):
-            raise
-        except Exception as exc:  # safetensors / pickle / shape errors all mean the same to a user
-            raise CheckpointError(f"cannot load reranker checkpoint {folder}: {exc}") from exc
+        except Exception as exc:  # shape, key and value errors all mean the same to a user
+            raise CheckpointError(f"cannot load reranker checkpoint {saved.folder}: {exc}") from exc
         return learner
 
 
@@ -435,71 +332,3 @@ def _make_optimizer(config: LearnerConfig, params: list[torch.nn.Parameter]) -> 
         return torch.optim.Adam(params, lr=config.lr, fused=True)
     except (RuntimeError, ValueError, TypeError):  # a device without a fused kernel
         return torch.optim.Adam(params, lr=config.lr)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _backup_of(target: Path) -> Path:
-    return target.parent / f".{target.name}.old"
-
-
-def _swap_in(tmp: Path, target: Path) -> None:
-    """Replace `target` by `tmp`. A crash between the two renames leaves the old checkpoint
-    at `.<name>.old`, which `load` falls back to."""
-    backup = _backup_of(target)
-    if target.exists():
-        if not target.is_dir():
-            raise CheckpointError(f"{target} exists and is not a checkpoint folder")
-        shutil.rmtree(backup, ignore_errors=True)
-        os.replace(target, backup)
-    os.replace(tmp, target)
-    shutil.rmtree(backup, ignore_errors=True)
-    try:  # make the renames durable
-        fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _recover(folder: Path) -> Path:
-    if folder.is_dir():
-        return folder
-    backup = _backup_of(folder)
-    if backup.is_dir():
-        log.warning("checkpoint %s missing; using the previous one left by an interrupted save", folder)
-        return backup
-    raise CheckpointError(f"no reranker checkpoint at {folder}")
-
-
-def _read_meta(folder: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((folder / _META).read_text())
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{folder} is not a reranker checkpoint (no {_META})") from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{folder / _META} is corrupt: {exc}") from exc
-    if not isinstance(meta, dict) or meta.get("kind") != "rmm-reranker":
-        raise CheckpointError(f"{folder / _META} does not describe a reranker checkpoint")
-    version = meta.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {folder} has format version {version}; this rmm reads version {FORMAT_VERSION}"
-        )
-    for key in ("dim", "encoder_name", "config", "stats"):
-        if key not in meta:
-            raise CheckpointError(f"{folder / _META} lacks {key!r}")
-    return meta

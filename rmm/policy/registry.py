@@ -8,7 +8,9 @@ tenant, shared) stays with the caller, which knows what isolation it promises.
 
 Checkpoint layout under `root`: the shared learner (`""`) at `root` itself, every other key at
 `root/<subdir>/<readable prefix>-<sha1 prefix>` (the hash keeps distinct keys apart after the
-readable part is sanitised).
+readable part is sanitised). Saving the shared learner keeps the folders nested in `root`
+(`rmm.policy.checkpoint` carries them over), so a bank's shared, per-user and per-tenant
+rerankers can live side by side.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from rmm.errors import DimensionMismatchError
+from rmm.policy.checkpoint import backup_of, checkpoint_exists, finish_interrupted_swap
 from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
 
@@ -31,11 +35,6 @@ __all__ = ["SHARED", "LearnerRegistry", "checkpoint_exists"]
 log = logging.getLogger(__name__)
 
 SHARED = ""  # the key of a learner shared by every user of the bank
-
-
-def checkpoint_exists(path: Path) -> bool:
-    """A saved checkpoint, or the backup a crash mid-swap leaves (which `Learner.load` recovers)."""
-    return (path / "meta.json").exists() or path.with_name(f".{path.name}.old").exists()
 
 
 class LearnerRegistry:
@@ -51,6 +50,8 @@ class LearnerRegistry:
         self._learners: dict[str, Learner] = {}
         self._saved: dict[str, tuple[int, int]] = {}
         self._lock = threading.RLock()
+        if self.root is not None:
+            finish_interrupted_swap(self.root)  # the shared folder holds every key's checkpoint
 
     @property
     def lock(self) -> threading.RLock:
@@ -76,6 +77,8 @@ class LearnerRegistry:
 
     def put(self, key: str, learner: Learner) -> None:
         """Register a learner built by the caller (e.g. one given to the agent)."""
+        if learner.dim != self.dim:
+            raise DimensionMismatchError(f"learner for {key!r} has dimension {learner.dim}, the registry {self.dim}")
         with self._lock:
             self._learners[key] = learner
             self._saved[key] = _progress(learner)
@@ -85,6 +88,11 @@ class LearnerRegistry:
 
     def __len__(self) -> int:
         return len(self._learners)
+
+    def __iter__(self) -> Iterator[str]:
+        """The keys loaded so far, in key order (a snapshot)."""
+        with self._lock:
+            return iter(sorted(self._learners))
 
     def items(self) -> Iterator[tuple[str, Learner]]:
         """(key, learner) pairs loaded so far, in key order (a snapshot: safe while others learn)."""
@@ -102,12 +110,15 @@ class LearnerRegistry:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, key: str | None = None, *, only_changed: bool = True) -> int:
-        """Checkpoint `key` (or every loaded learner) atomically; returns how many were written."""
+        """Checkpoint `key` (or every loaded learner) atomically; returns how many were written.
+
+        A key that was never loaded has nothing to write (0).
+        """
         if self.root is None:
             return 0
         saved = 0
         with self._lock:
-            keys = list(self._learners) if key is None else [key]
+            keys = list(self._learners) if key is None else [key] if key in self._learners else []
             for k in keys:
                 learner = self._learners[k]
                 if only_changed and _progress(learner) == self._saved.get(k):
@@ -119,22 +130,29 @@ class LearnerRegistry:
 
     def maybe_save(self, key: str) -> bool:
         """Save `key` once `checkpoint_every` rewarded selections arrived since its last save."""
-        if not self.checkpoint_every or self.root is None or key not in self._learners:
+        if not self.checkpoint_every or self.root is None:
             return False
         with self._lock:
+            if key not in self._learners:
+                return False
             done = _progress(self._learners[key])[0]
             if done - self._saved.get(key, (0, 0))[0] < self.checkpoint_every:
                 return False
             return self.save(key, only_changed=False) == 1
 
     def drop(self, key: str, *, delete_checkpoint: bool = False) -> None:
-        """Forget `key`'s learner (and its checkpoint folder, e.g. when the user is deleted)."""
+        """Forget `key`'s learner (and its checkpoint, e.g. when the user is deleted).
+
+        The shared checkpoint is never deleted here: its folder holds every other key's as well.
+        """
         with self._lock:
             self._learners.pop(key, None)
             self._saved.pop(key, None)
             path = self.path(key)
-            if delete_checkpoint and path is not None and key != SHARED and path.exists():
-                shutil.rmtree(path, ignore_errors=True)
+            if delete_checkpoint and path is not None and key != SHARED:
+                # the backup too: an interrupted save's leftover would otherwise bring the learner back
+                for folder in (path, backup_of(path)):
+                    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _progress(learner: Learner) -> tuple[int, int]:

@@ -1,0 +1,228 @@
+"""The reranker checkpoint folder: what is in it, how it is written safely, how it is read back.
+
+A checkpoint is a folder —
+
+- `reranker.safetensors`: the reranker's weights (safetensors: no pickle, loads anywhere);
+- `optimizer.pt`: the optimizer state plus the records still waiting in the learner's batch
+  buffer, so a resumed learner continues exactly where the saved one stood;
+- `meta.json`: dim, encoder, step, stats, config, format version and the SHA-256 of both files,
+  so a truncated or bit-flipped file is refused instead of silently loaded.
+
+It is written to a temporary sibling and swapped in with two renames: a crash mid-write never
+leaves a half-written folder where the old one was, and a crash between the renames leaves the
+old checkpoint at `.<name>.old`, which `read_checkpoint` falls back to. This module knows the
+format only; `rmm.policy.learner.Learner.save/load` turn a learner into these pieces and back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from rmm.errors import CheckpointError, DimensionMismatchError, EncoderMismatchError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KIND",
+    "Checkpoint",
+    "backup_of",
+    "checkpoint_exists",
+    "finish_interrupted_swap",
+    "read_checkpoint",
+    "write_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+KIND = "rmm-reranker"
+WEIGHTS, TRAINING, META = "reranker.safetensors", "optimizer.pt", "meta.json"
+_REQUIRED_META = ("dim", "encoder_name", "config", "stats")
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint folder holds, read and verified (checksums, format, dim, encoder)."""
+
+    folder: Path
+    meta: dict[str, Any]
+    weights: dict[str, Tensor]
+    training: dict[str, Any]  # {"optimizer": state_dict, "pending": [buffered records' states]}
+
+
+def backup_of(target: Path) -> Path:
+    """Where the previous checkpoint waits while a new one is swapped in."""
+    return target.parent / f".{target.name}.old"
+
+
+def checkpoint_exists(path: Path) -> bool:
+    """A saved checkpoint, or the backup a crash mid-swap leaves (which `read_checkpoint` recovers)."""
+    return (path / META).exists() or backup_of(path).is_dir()
+
+
+def write_checkpoint(target: str | Path, *, weights: dict[str, Tensor], training: dict[str, Any],
+                     meta: dict[str, Any]) -> Path:
+    """Write the folder atomically (temp sibling, then swap); returns its path.
+
+    `meta` carries the learner's fields (dim, encoder_name, step, stats, config); the format
+    version, kind and checksums are added here.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
+        torch.save(training, tmp / TRAINING)
+        full_meta = {"format_version": FORMAT_VERSION, "kind": KIND, **meta,
+                     "sha256": {name: _sha256(tmp / name) for name in (WEIGHTS, TRAINING)}}
+        (tmp / META).write_text(json.dumps(full_meta, indent=2))
+        for name in (WEIGHTS, TRAINING, META):
+            _fsync(tmp / name)
+        _swap_in(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def read_checkpoint(path: str | Path, *, encoder_name: str | None = None, dim: int | None = None) -> Checkpoint:
+    """Read and verify `write_checkpoint`'s folder (or the backup an interrupted swap left).
+
+    Refuses another dimension or encoder than expected; a checkpoint that names no encoder adopts
+    `encoder_name` (with a warning). Every failure to read is a `CheckpointError`.
+    """
+    folder = _recover(Path(path))
+    meta = _read_meta(folder)
+    if dim is not None and meta["dim"] != dim:
+        raise DimensionMismatchError(f"checkpoint {folder} is for dimension {meta['dim']}, expected {dim}")
+    if encoder_name is not None and meta["encoder_name"] == "" and encoder_name:
+        log.warning("checkpoint %s does not name its encoder; assuming %r", folder, encoder_name)
+        meta["encoder_name"] = encoder_name
+    elif encoder_name is not None and meta["encoder_name"] != encoder_name:
+        raise EncoderMismatchError(
+            f"checkpoint {folder} was trained on encoder {meta['encoder_name']!r}, not {encoder_name!r}"
+        )
+    for name, digest in meta.get("sha256", {}).items():
+        if not (folder / name).is_file():
+            raise CheckpointError(f"checkpoint {folder} lacks {name}")
+        if _sha256(folder / name) != digest:
+            raise CheckpointError(f"checkpoint file {folder / name} is corrupt (checksum mismatch)")
+    try:
+        weights = load_file(str(folder / WEIGHTS))
+        training = torch.load(folder / TRAINING, map_location="cpu", weights_only=True)
+    except Exception as exc:  # safetensors / pickle errors and missing files all mean the same to a user
+        raise CheckpointError(f"cannot load reranker checkpoint {folder}: {exc}") from exc
+    if not isinstance(training, dict) or not {"optimizer", "pending"} <= set(training):
+        raise CheckpointError(f"{folder / TRAINING} does not hold an optimizer state and pending records")
+    return Checkpoint(folder, meta, weights, training)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def finish_interrupted_swap(target: Path) -> None:
+    """Complete a swap a crash cut short: the backup becomes `target` again when `target` is
+    missing, else only what it held besides the checkpoint moves over, and it goes.
+
+    Until then the folders nested in the backup (other keys' checkpoints) are out of sight, so a
+    registry calls this before it looks for any of them.
+    """
+    backup = backup_of(target)
+    if not backup.is_dir():
+        return
+    if target.is_dir():
+        _carry_over(backup, target)
+        shutil.rmtree(backup)
+    elif not target.exists():
+        os.replace(backup, target)
+        log.warning("restored checkpoint %s from the backup an interrupted save left", target)
+
+
+def _swap_in(tmp: Path, target: Path) -> None:
+    """Replace `target` by `tmp`, keeping whatever else `target` holds (nested checkpoints of
+    other keys, see `rmm.policy.registry`). A crash between the two renames leaves the old
+    checkpoint at `.<name>.old`, which `read_checkpoint` falls back to and the next save finishes."""
+    finish_interrupted_swap(target)
+    backup = backup_of(target)
+    if target.exists():
+        if not target.is_dir():
+            raise CheckpointError(f"{target} exists and is not a checkpoint folder")
+        os.replace(target, backup)
+    os.replace(tmp, target)
+    _carry_over(backup, target)
+    shutil.rmtree(backup, ignore_errors=True)
+    try:  # make the renames durable
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _carry_over(old: Path, new: Path, files: tuple[str, ...] = (WEIGHTS, TRAINING, META)) -> None:
+    """Move what `old` holds besides its own checkpoint `files` into `new`; where both hold a
+    folder of the same name, merge it (what `new` already has wins: it was written later)."""
+    if not old.is_dir():
+        return
+    for entry in old.iterdir():
+        if entry.name in files:
+            continue
+        there = new / entry.name
+        if not there.exists():
+            os.replace(entry, there)
+        elif entry.is_dir() and there.is_dir():
+            _carry_over(entry, there, files=())
+
+
+def _recover(folder: Path) -> Path:
+    if folder.is_dir():
+        return folder
+    backup = backup_of(folder)
+    if backup.is_dir():
+        log.warning("checkpoint %s missing; using the previous one left by an interrupted save", folder)
+        return backup
+    raise CheckpointError(f"no reranker checkpoint at {folder}")
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((folder / META).read_text())
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{folder} is not a reranker checkpoint (no {META})") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{folder / META} is corrupt: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("kind") != KIND:
+        raise CheckpointError(f"{folder / META} does not describe a reranker checkpoint")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {folder} has format version {version}; this rmm reads version {FORMAT_VERSION}"
+        )
+    for key in _REQUIRED_META:
+        if key not in meta:
+            raise CheckpointError(f"{folder / META} lacks {key!r}")
+    return meta
