@@ -5,6 +5,11 @@ kernel (K ≤ 256, M ≤ 32); everything else — CPU, no triton, bigger sizes �
 reference, so every caller has a path that runs anywhere. `RMM_KERNEL_BACKEND=torch|triton`
 overrides "auto" (an operator's escape hatch when a kernel misbehaves on some GPU).
 
+Masking: `mask [B, K]` (True = may be picked) removes candidates before the Gumbel top-M. A masked
+slot is turned into padding (id -1), which both backends already score −∞ and never read from the
+bank: it is never picked and is in no Plackett–Luce normaliser, so `logp` is the log-likelihood of
+a valid sample over the unmasked candidates. The Triton kernel needs no change for it.
+
 Randomness: with `seed` both backends draw the same counter-based Philox uniforms. Without it,
 the torch backend uses `generator` (or the global RNG) exactly like `rmm.policy.sampling`, and the
 Triton backend draws its seed from that generator — repeatable for a seeded generator, though
@@ -87,6 +92,15 @@ def resolve_backend(backend: str, device: torch.device, k: int, m: int) -> str:
     return "triton"
 
 
+def _check_mask(mask: Tensor, ids: Tensor) -> None:
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be bool (True = may be picked), got {mask.dtype}")
+    if mask.shape != ids.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} != ids shape {tuple(ids.shape)}")
+    if mask.device != ids.device:
+        raise ValueError(f"mask is on {mask.device}, ids on {ids.device}")
+
+
 def _check(queries: Tensor, bank: Tensor, ids: Tensor, m: int, tau: float) -> None:
     if queries.ndim != 2 or bank.ndim != 2 or ids.ndim != 2:
         raise ValueError(f"expected queries [B, d], bank [N, d], ids [B, K]; got shapes "
@@ -123,6 +137,7 @@ def rerank(
     explore: bool = False,
     backend: str = "auto",
     generator: torch.Generator | None = None,
+    mask: Tensor | None = None,
 ) -> RerankResult:
     """Score candidates, pick top-M (Gumbel-sampled when `explore`), return picks with log π.
 
@@ -130,10 +145,14 @@ def rerank(
     embeddings `ids [B, K]` point into (-1 = padding). Picks are positions into each row's K
     candidates, `[B, m]`, -1 once a row runs out; `logp` is the Plackett–Luce log-probability
     of each pick under logits `s/τ` (also reported for greedy picks, where it is informative
-    only). Greedy mode ranks by `s` itself.
+    only). Greedy mode ranks by `s` itself. `mask [B, K]` (bool, True = may be picked) excludes
+    candidates: they score −∞ like padding, so `logp` is Plackett–Luce over what is left.
     """
     _check(queries, bank, ids, m, tau)
     ids = ids.to(torch.int64)
+    if mask is not None:
+        _check_mask(mask, ids)
+        ids = ids.masked_fill(~mask, -1)
     k = ids.shape[1]
     chosen = resolve_backend(backend, queries.device, k, m)
     if chosen == "torch":

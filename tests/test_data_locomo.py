@@ -107,6 +107,20 @@ def test_real_empty_evidence_and_answers(locomo: Dataset) -> None:
     assert all(q.answer for q in locomo.questions if q.category == 5)
 
 
+def test_real_dedup_matches_memr3_appendix_c3(locomo: Dataset, data_root: Path) -> None:
+    deduped = load_locomo(data_root / "locomo" / "locomo10.json", dedup=True)
+    assert Counter(q.category for q in deduped.questions) == {1: 282, 2: 321, 3: 96, 4: 830, 5: 445}
+    removed = [q.id for q in locomo.questions if q.id not in {d.id for d in deduped.questions}]
+    # the paper's list (1-based): conversation 2 question 96, conversation 8 questions 90-100
+    assert removed == ["conv-30:q95"] + [f"conv-48:q{i}" for i in range(89, 100)]
+    assert _question(locomo, "conv-30:q95").category == 5  # the adversarial copy goes, the single-hop stays
+    assert _question(deduped, "conv-30:q61").text == "What did Gina receive from a dance contest?"
+    for user in deduped.users:
+        texts = [" ".join(q.text.split()) for q in deduped.questions_of(user)]
+        assert len(texts) == len(set(texts))
+    assert deduped.sessions.keys() == locomo.sessions.keys()  # only questions change
+
+
 # --- synthetic file -------------------------------------------------------------------------
 
 
@@ -155,6 +169,17 @@ def test_synthetic_file(tmp_path: Path) -> None:
     assert q0.evidence_sessions == ["conv-x:S2", "conv-x:S10", "conv-x:S4"]
     assert q1.answer == "adv" and q1.evidence_turns == [] and q1.category_name == "adversarial"
     assert q2.evidence_turns == [] and q2.evidence_sessions == []
+
+
+def test_synthetic_dedup_keeps_the_first_of_each_question_per_conversation(tmp_path: Path) -> None:
+    first = _conversation()
+    first["qa"].append({"question": " q0 ", "answer": "again", "evidence": [], "category": 5})
+    second = {**_conversation(), "sample_id": "conv-y"}  # the same texts in another conversation stay
+    path = tmp_path / "dup.json"
+    path.write_text(json.dumps([first, second]))
+    assert len(load_locomo(path).questions) == 7
+    ids = [q.id for q in load_locomo(path, dedup=True).questions]
+    assert ids == ["conv-x:q0", "conv-x:q1", "conv-x:q2", "conv-y:q0", "conv-y:q1", "conv-y:q2"]
 
 
 def test_parse_evidence_patterns() -> None:

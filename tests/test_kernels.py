@@ -231,6 +231,38 @@ def test_dispatch_empty_and_oversized_m() -> None:
     assert empty.scores.shape == (2, 0) and (empty.indices == -1).all()
 
 
+def _random_mask(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """Exclude about a third of each row's candidates (MemR³'s mask of memories already shown)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(ids.shape, generator=gen) > 0.35).to(ids.device)
+
+
+def test_dispatch_mask_excludes_before_the_top_m_and_logp_is_over_the_rest() -> None:
+    queries, bank, ids = make_problem(4, 12, 8, 40, seed=6, pad={3: 7})
+    mask = _random_mask(ids, 1)
+    mask[2] = False  # a row with nothing left
+    for explore in (False, True):
+        got = rerank(queries, bank, ids, 5, 0.5, seed=3, explore=explore, mask=mask)
+        same = rerank(queries, bank, ids.masked_fill(~mask, -1), 5, 0.5, seed=3, explore=explore)
+        assert torch.equal(got.indices, same.indices) and torch.equal(got.logp, same.logp)
+        allowed = mask & (ids >= 0)
+        for row in range(4):
+            picks = got.indices[row][got.indices[row] >= 0]
+            assert allowed[row, picks].all() and len(picks) == min(5, int(allowed[row].sum()))
+        assert (got.indices[2] == -1).all() and (got.logp[2] == 0).all()
+        scores = (bank[ids.clamp(min=0)] @ queries.unsqueeze(-1)).squeeze(-1)
+        for row in (0, 1, 3):  # log π of each pick: Plackett–Luce over the unmasked candidates only
+            kept = allowed[row].nonzero().flatten()
+            position = {int(k): j for j, k in enumerate(kept)}
+            order = torch.tensor([[position[int(i)] for i in got.indices[row] if i >= 0]])
+            expected = plackett_luce_logp(scores[row, kept][None], order, 0.5)[0]
+            torch.testing.assert_close(got.logp[row, : order.shape[1]], expected)
+    with pytest.raises(TypeError, match="bool"):
+        rerank(queries, bank, ids, 2, 0.5, mask=mask.long())
+    with pytest.raises(ValueError, match="mask shape"):
+        rerank(queries, bank, ids, 2, 0.5, mask=mask[:, :3])
+
+
 # ---- the kernel vs the reference (interpreter on CPU, compiled on CUDA) ------------------------
 CASES = [  # batch, K, d, N, M, padding
     (1, 1, 8, 3, 1, None),
@@ -260,6 +292,19 @@ def test_kernel_matches_reference(case, explore: bool) -> None:
             torch.testing.assert_close(got.noise, ref.noise, rtol=1e-5, atol=1e-5)
         else:
             assert got.noise is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("explore", [False, True])
+def test_kernel_with_mask_matches_reference(explore: bool) -> None:
+    queries, bank, ids = make_problem(3, 20, 32, 50, seed=8, pad={1: 9}, device=KERNEL_DEVICE)
+    mask = _random_mask(ids, 2)
+    got = rerank(queries, bank, ids, 5, 0.7, seed=21, explore=explore, backend="triton", mask=mask)
+    ref = rerank(queries, bank, ids, 5, 0.7, seed=21, explore=explore, backend="torch", mask=mask)
+    assert got.backend == "triton" and torch.equal(got.indices.cpu(), ref.indices.cpu())
+    torch.testing.assert_close(got.logp, ref.logp, rtol=1e-5, atol=1e-4)
+    picks = got.indices.cpu()
+    assert all(mask.cpu()[r, picks[r][picks[r] >= 0]].all() for r in range(3))
 
 
 @needs_kernel

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -182,3 +184,76 @@ def test_query_transform_folds_only_once_weights_hold_still() -> None:
     reranker.invalidate()
     torch.testing.assert_close(reranker.transform_queries(big), big @ reranker.query_matrix(), rtol=1e-4, atol=1e-4)
     assert reranker._folded is not None
+
+
+# ---- exclusion (MemR³'s mask): masked before the Gumbel top-M ----------------------------------
+def _brute_force_logp(logits: list[float], order: list[int]) -> float:
+    """log P(order) under Plackett–Luce(logits), written out pick by pick."""
+    remaining, total = list(range(len(logits))), 0.0
+    for item in order:
+        total += logits[item] - math.log(sum(math.exp(logits[i]) for i in remaining))
+        remaining.remove(item)
+    return total
+
+
+def test_excluded_candidates_are_never_picked_and_logp_is_over_the_rest() -> None:
+    reranker = ResidualLinearReranker(DIM)
+    randomise(reranker, seed=7)
+    cands = [make_candidates(10, seed=s, query=f"q{s}") for s in range(3)]
+    exclude = [{"q0-0", "q0-3", "q0-9", "elsewhere"}, set(), {f"q2-{i}" for i in range(8)}]
+    full_scores = [reranker.fast_scores(c.query_embedding[None], c.embeddings[None])[0] for c in cands]
+    for draw in range(20):
+        sels = reranker.select(cands, 4, tau=0.5, explore=True, exclude=exclude,
+                               generator=torch.Generator().manual_seed(draw))
+        assert [len(s.chosen) for s in sels] == [4, 4, 2]  # row 2 has only two candidates left
+        for sel, c, excluded, scores in zip(sels, cands, exclude, full_scores):
+            assert not set(sel.memory_ids) & excluded
+            # the Selection holds only what the sample drew from, so the learner's recomputation is right
+            assert sel.candidates.memory_ids == [i for i in c.memory_ids if i not in excluded]
+            kept = [c.memory_ids.index(i) for i in sel.candidates.memory_ids]
+            torch.testing.assert_close(sel.scores, scores[kept])
+            torch.testing.assert_close(sel.candidates.embeddings, c.embeddings[kept])
+            assert sel.noise is not None and sel.noise.shape == (len(kept),)
+            logits = (sel.scores / 0.5).tolist()
+            expected = [_brute_force_logp(logits, sel.chosen[: j + 1]) - _brute_force_logp(logits, sel.chosen[:j])
+                        for j in range(len(sel.chosen))]
+            torch.testing.assert_close(sel.logp, torch.tensor(expected), rtol=1e-5, atol=1e-5)
+            # the learner's path: policy scores of the kept candidates under the same weights
+            policy = reranker.policy_scores(sel.candidates.query_embedding[None], sel.candidates.embeddings[None])
+            relearned = plackett_luce_logp(policy, torch.tensor([sel.chosen]), 0.5)[0]
+            torch.testing.assert_close(sel.logp, relearned.detach(), rtol=1e-4, atol=1e-4)
+    assert reranker.select(cands, 4, explore=True, exclude=exclude)[1].candidates is cands[1]  # nothing hit: as is
+
+
+def test_excluded_sampling_is_plackett_luce_over_the_remaining_candidates() -> None:
+    reranker = ResidualLinearReranker(4)  # untrained: scores are q·m
+    q = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    m = torch.tensor([[1.2, 0, 0, 0], [0.9, 0, 0, 0], [0.6, 0, 0, 0], [0.2, 0, 0, 0], [-0.3, 0, 0, 0]])
+    cands = Candidates("q", ["a", "b", "c", "d", "e"], m @ q, m, q)
+    draws = 3000
+    sels = reranker.select([cands] * draws, 2, tau=0.5, explore=True, exclude=[{"a", "c"}] * draws,
+                           generator=torch.Generator().manual_seed(11))
+    counts: dict[tuple[str, ...], int] = {}
+    for sel in sels:
+        counts[tuple(sel.memory_ids)] = counts.get(tuple(sel.memory_ids), 0) + 1
+    logits = [0.9 / 0.5, 0.2 / 0.5, -0.3 / 0.5]  # b, d, e
+    names = ["b", "d", "e"]
+    expected = {(names[i], names[j]): math.exp(_brute_force_logp(logits, [i, j]))
+                for i in range(3) for j in range(3) if i != j}
+    assert set(counts) <= set(expected)
+    for order, p in expected.items():
+        assert abs(counts.get(order, 0) / draws - p) < 0.025, (order, counts.get(order, 0) / draws, p)
+
+
+def test_greedy_exclusion_and_bad_exclude_arguments() -> None:
+    reranker = ResidualLinearReranker(DIM)
+    c = make_candidates(6, seed=3)
+    order = torch.argsort(c.retriever_scores, descending=True).tolist()
+    (sel,) = reranker.select([c], 3, exclude=[{c.memory_ids[order[0]]}])
+    assert sel.memory_ids == [c.memory_ids[i] for i in order[1:4]] and sel.logp is None
+    (none,) = reranker.select([c], 3, explore=True, exclude=[set(c.memory_ids)])
+    assert none.chosen == [] and len(none.candidates) == 0 and none.logp.shape == (0,)
+    with pytest.raises(ValueError, match="one collection"):
+        reranker.select([c], 3, exclude=[set(), set()])
+    with pytest.raises(TypeError, match="collection of memory ids"):
+        reranker.select([c], 3, exclude=["q-1"])

@@ -14,6 +14,11 @@ Quirks handled here (shared/data/README.md):
 - Category 5 (adversarial) answers come from `adversarial_answer`; int answers become strings.
 - Questions whose evidence is empty (4 of them) are kept, with empty `evidence_turns`: recall is
   undefined for them, so the evaluator skips them (`rmm.eval.metrics` raises on empty gold).
+- `dedup=True` drops the 12 repeated questions MemR³ (App. C.3) found: a question whose text
+  (whitespace-normalised) was already asked in the same conversation is skipped, which removes
+  the adversarial copy of "What did Gina receive from a dance contest?" in conv-30 and 11
+  single-hop repeats in conv-48 (category counts 282 / 321 / 96 / 830 / 445 instead of
+  282 / 321 / 96 / 841 / 446). Question ids keep their position in the file (`conv-48:q16` stays).
 """
 
 from __future__ import annotations
@@ -138,8 +143,12 @@ def _answer(raw: dict[str, Any], category: int | None) -> str:
     return "" if value is None else str(value)
 
 
-def load_locomo(path: str | Path) -> Dataset:
-    """Read `locomo10.json` into a `Dataset` (one user per conversation)."""
+def _question_key(text: str) -> str:
+    return " ".join(text.split())
+
+
+def load_locomo(path: str | Path, *, dedup: bool = False) -> Dataset:
+    """Read `locomo10.json` into a `Dataset` (one user per conversation); `dedup` drops repeated questions."""
     path = Path(path)
     data = read_json(path)
     if not isinstance(data, list):
@@ -148,7 +157,7 @@ def load_locomo(path: str | Path) -> Dataset:
         )
     sessions: dict[str, list[Session]] = {}
     questions: list[Question] = []
-    dropped = 0
+    dropped = repeated = 0
     for position, sample in enumerate(data):
         where = f"conversation #{position}"
         user = require(sample, "sample_id", str, path, where)
@@ -166,9 +175,16 @@ def load_locomo(path: str | Path) -> Dataset:
         if len(known) != sum(len(s.turns) for s in user_sessions):
             raise DataError(f"{path}: {where} has duplicate dia_ids")
 
+        asked: set[str] = set()
         for index, raw in enumerate(qa):
             qwhere = f"{where} qa #{index}"
             text = require(raw, "question", str, path, qwhere)
+            if dedup:
+                if _question_key(text) in asked:
+                    repeated += 1
+                    logger.debug("%s: %s repeats an earlier question: %r", path, qwhere, text)
+                    continue
+                asked.add(_question_key(text))
             category = require(raw, "category", int, path, qwhere)
             evidence = require(raw, "evidence", list, path, qwhere)
             turns: list[str] = []
@@ -194,6 +210,8 @@ def load_locomo(path: str | Path) -> Dataset:
             )
     if dropped:
         logger.info("%s: dropped %d evidence ids that match no turn", path, dropped)
+    if repeated:
+        logger.info("%s: dropped %d repeated questions (dedup)", path, repeated)
     categories = dict(LOCOMO_CATEGORIES)
     for q in questions:
         if q.category is not None and q.category not in categories:

@@ -10,12 +10,20 @@ Inference folds both transforms into the query: in the row-vector convention of 
 instead of one per memory, and the transformed query can search the whole bank directly.
 `forward` is the plain Eq. 1 form (autograd; the reference); the learner uses `policy_scores`,
 the same function with the memory transform moved onto the query (B·d² instead of B·K·d²).
+
+Exclusion (`select(..., exclude=)`, MemR³'s mask of memories already shown for a question):
+excluded candidates get −∞ logits *before* the Gumbel top-M, inside the dispatched rerank step,
+so they are never picked and the reported log π is the Plackett–Luce log-likelihood over the
+candidates left. The Selection then holds only those candidates (`chosen` re-indexed into them):
+the learner recomputes log π from `selection.candidates` alone, so carrying the excluded ones
+(and a mask the learner, its pending buffer and checkpoints would all have to honour) would make
+its normaliser wrong; without them its recomputation is the same distribution the sample came from.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +32,7 @@ from rmm.errors import DimensionMismatchError
 from rmm.kernels.dispatch import rerank
 from rmm.types import Candidates, Selection
 
-__all__ = ["ResidualLinearReranker", "stack_candidates"]
+__all__ = ["ResidualLinearReranker", "candidate_subset", "stack_candidates"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,37 @@ def stack_candidates(
             memories[i, :k] = c.embeddings.to(device, dtype)
             mask[i, :k] = True
     return queries, memories, mask
+
+
+def candidate_subset(candidates: Candidates, positions: Sequence[int]) -> Candidates:
+    """The candidates at `positions`, in that order (embeddings, scores and ids alike)."""
+    index = torch.as_tensor(list(positions), dtype=torch.long)
+    return Candidates(
+        query=candidates.query,
+        memory_ids=[candidates.memory_ids[i] for i in index.tolist()],
+        retriever_scores=candidates.retriever_scores[index],
+        embeddings=None if candidates.embeddings is None else candidates.embeddings[index],
+        query_embedding=candidates.query_embedding,
+        user_id=candidates.user_id,
+    )
+
+
+def _allowed(candidates: Sequence[Candidates], padding: Tensor,
+             exclude: Sequence[Collection[str]] | None) -> Tensor:
+    """`[B, K]` True where a candidate is real and not excluded."""
+    if exclude is None:
+        return padding
+    if isinstance(exclude, (str, bytes)) or len(exclude) != len(candidates):
+        raise ValueError(f"exclude needs one collection of memory ids per candidate list "
+                         f"({len(candidates)}), got {exclude!r:.80}")
+    allowed = padding.clone()
+    for row, (c, excluded) in enumerate(zip(candidates, exclude)):
+        if isinstance(excluded, (str, bytes)):
+            raise TypeError(f"exclude[{row}] must be a collection of memory ids, not the string {excluded!r:.40}")
+        hits = [j for j, memory_id in enumerate(c.memory_ids) if memory_id in excluded]
+        if hits:
+            allowed[row, hits] = False
+    return allowed
 
 
 class ResidualLinearReranker(nn.Module):
@@ -157,12 +196,15 @@ class ResidualLinearReranker(nn.Module):
         tau: float = 0.5,
         explore: bool = False,
         generator: torch.Generator | None = None,
+        exclude: Sequence[Collection[str]] | None = None,
     ) -> list[Selection]:
         """Rerank each candidate list and pick its top-M (Gumbel-sampled when `explore`).
 
         A list with fewer than `m` candidates yields all of them, ordered. `logp` is the detached
         Plackett–Luce log-probability of the picks (None when not exploring: greedy picks have no
-        sampling probability worth reporting).
+        sampling probability worth reporting). `exclude[i]` holds memory ids list i must not
+        show: they are masked before the top-M and left out of the returned Selection (module
+        docstring), which may then have fewer than `m` picks.
         """
         if m < 0:
             raise ValueError(f"m must be >= 0, got {m}")
@@ -172,9 +214,10 @@ class ResidualLinearReranker(nn.Module):
             return []
         weight = self.W_q.weight
         queries, memories, mask = stack_candidates(candidates, self.dim, weight.device, weight.dtype)
-        lengths = [len(c) for c in candidates]
+        allowed = _allowed(candidates, mask, exclude)
+        counts = allowed.sum(-1).tolist()
         k_max = memories.shape[1]
-        m_batch = min(m, k_max)
+        m_batch = min(m, max(counts, default=0))
         if k_max == 0 or m_batch == 0:  # nothing to pick from, or nothing asked for
             scores = self.fast_scores(queries, memories).cpu() if k_max else torch.zeros(len(candidates), 0)
             chosen = torch.zeros(len(candidates), 0, dtype=torch.long)
@@ -188,22 +231,28 @@ class ResidualLinearReranker(nn.Module):
             bank = memories.reshape(-1, self.dim)
             slots = torch.arange(bank.shape[0], device=bank.device).view(memories.shape[:2])
             ranked = rerank(self.transform_queries(queries), bank, slots.masked_fill(~mask, -1), m_batch,
-                            tau if explore else 1.0, explore=explore, generator=generator)
+                            tau if explore else 1.0, explore=explore, generator=generator,
+                            mask=None if exclude is None else allowed)
             scores, chosen = ranked.scores.cpu(), ranked.indices.cpu()
             noise = None if ranked.noise is None else ranked.noise.cpu()
             logp = ranked.logp.cpu() if explore else None
         out: list[Selection] = []
         chosen_lists = chosen.tolist()
         for i, c in enumerate(candidates):
-            k = lengths[i]
-            m_i = min(m, k)
+            m_i = min(m, counts[i])
+            picks = chosen_lists[i][:m_i]
+            kept: slice | list[int] = slice(0, len(c))
+            if counts[i] < len(c):  # some were excluded: keep only the candidates the sample drew from
+                kept = allowed[i, : len(c)].nonzero().flatten().tolist()
+                position = {old: new for new, old in enumerate(kept)}
+                c, picks = candidate_subset(c, kept), [position[j] for j in picks]
             out.append(
                 Selection(
                     candidates=c,
-                    chosen=chosen_lists[i][:m_i],
-                    scores=scores[i, :k],
+                    chosen=picks,
+                    scores=scores[i, kept],
                     logp=None if logp is None else logp[i, :m_i],
-                    noise=None if noise is None else noise[i, :k],
+                    noise=None if noise is None else noise[i, kept],
                     explore=explore,
                 )
             )

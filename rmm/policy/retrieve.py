@@ -4,16 +4,22 @@
 bank with the reranker's folded query `q @ A` — for a dot-product retriever that is exactly the
 reranker's ordering over every memory, so a memory the base retriever ranked below K can still
 surface once the reranker has learned to want it.
+
+`select(..., exclude=)` reranks the top-K of the memories *not* excluded (MemR³'s
+`Retrieve(q, M \\ M^ret)`): it fetches K + |excluded| so that K unseen candidates remain, keeps the
+excluded ones among them for the reranker to mask before its Gumbel top-M (see
+`rmm.policy.reranker`), and drops unseen ones ranked below the K-th.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 import torch
 
 from rmm.memory.bank import MemoryBank
-from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.reranker import ResidualLinearReranker, candidate_subset
 from rmm.types import Candidates, Selection
 
 Scope = Literal["topk", "bank"]
@@ -45,10 +51,21 @@ class RerankedRetriever:
         return found
 
     def select(self, queries: list[str], user: str, *, explore: bool = False,
-               generator: torch.Generator | None = None) -> list[Selection]:
-        """The M memories to show for each query: sampled when exploring, the top-M otherwise."""
-        return self.reranker.select(self.candidates(queries, user), self.m, tau=self.tau, explore=explore,
-                                    generator=generator)
+               generator: torch.Generator | None = None,
+               exclude: Sequence[Collection[str]] | None = None) -> list[Selection]:
+        """The M memories to show for each query: sampled when exploring, the top-M otherwise.
+
+        `exclude[i]`: memory ids query i must not show (fewer than M come back once too few remain).
+        """
+        if exclude is None:
+            return self.reranker.select(self.candidates(queries, user), self.m, tau=self.tau, explore=explore,
+                                        generator=generator)
+        if isinstance(exclude, (str, bytes)) or len(exclude) != len(queries):
+            raise ValueError(f"exclude needs one collection of memory ids per query ({len(queries)})")
+        found = self.candidates(queries, user, self.k + max((len(e) for e in exclude), default=0))
+        found = [_unseen_top_k(c, e, self.k) for c, e in zip(found, exclude)]
+        return self.reranker.select(found, self.m, tau=self.tau, explore=explore, generator=generator,
+                                    exclude=exclude)
 
     def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
         """The Retriever protocol: each query's candidates in reranked order, truncated to k."""
@@ -60,7 +77,19 @@ class RerankedRetriever:
                 continue
             order = self.reranker.fast_scores(c.query_embedding[None], c.embeddings[None])[0]
             idx = torch.argsort(order, descending=True)[:k]
-            out.append(Candidates(query=c.query, memory_ids=[c.memory_ids[i] for i in idx.tolist()],
-                                  retriever_scores=order[idx], embeddings=c.embeddings[idx],
-                                  query_embedding=c.query_embedding, user_id=c.user_id))
+            ranked = candidate_subset(c, idx.tolist())
+            ranked.retriever_scores = order[idx]
+            out.append(ranked)
         return out
+
+
+def _unseen_top_k(candidates: Candidates, excluded: Collection[str], k: int) -> Candidates:
+    """The excluded candidates (for the reranker to mask) and the first `k` others, in retrieval order."""
+    keep, unseen = [], 0
+    for position, memory_id in enumerate(candidates.memory_ids):
+        if memory_id in excluded:
+            keep.append(position)
+        elif unseen < k:
+            keep.append(position)
+            unseen += 1
+    return candidates if len(keep) == len(candidates) else candidate_subset(candidates, keep)
