@@ -131,22 +131,40 @@ class Candidates:
 class Selection:
     """The M memories shown to the generator, kept until their reward arrives.
 
-    `chosen` indexes into `candidates` in pick order; `logp` is the Plackett–Luce
-    log-probability of each pick under the policy that made it (detached: the learner recomputes
-    it with gradients from `candidates` when the reward comes).
+    It records at sampling time everything its update needs, so a reward arriving any time later
+    (another thread, another process, after many updates) is learned from correctly and nothing
+    is re-read from the store: the candidates *as scored* (ids, embeddings, query embedding),
+    `chosen` (indices into `candidates`, in pick order), the temperature `tau` the picks were
+    sampled at, the weights `version` that sampled them (the learner's `stats.step` then), and
+    the behaviour log-probability μ: `logp[j]` is the Plackett–Luce log-probability of pick j
+    given the picks before it, so `logp.sum()` is log μ of the ordered selection. The learner
+    weights the update by the truncated ratio π_θ/μ (`rmm.policy.credit`).
+
+    `explore=False` marks greedy (top-M) picks: they have no sampling probability and are never
+    learned from. `mask` ([K] bool, True = could be picked), when set, says which candidates the
+    sample was drawn from; the reranker instead drops excluded candidates, so its selections
+    carry no mask.
     """
 
     candidates: Candidates
     chosen: list[int]
     scores: torch.Tensor  # [K] reranker scores at selection time
-    logp: torch.Tensor | None = None  # [M]
+    logp: torch.Tensor | None = None  # [M] behaviour log-probability of each pick (detached)
     noise: torch.Tensor | None = None  # [K] Gumbel noise used (the paper-literal estimator needs it)
     explore: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    tau: float | None = None  # the sampling temperature; None = unknown (the learner assumes its own)
+    version: int | None = None  # weights version (learner step) that sampled it; None = unknown
+    mask: torch.Tensor | None = None  # [K] bool, True = could be picked; None = all candidates
 
     @property
     def memory_ids(self) -> list[str]:
         return [self.candidates.memory_ids[i] for i in self.chosen]
+
+    @property
+    def behaviour_logp(self) -> float | None:
+        """log μ of the ordered picks (the sum of `logp`), or None when it was not recorded."""
+        return None if self.logp is None else float(self.logp.sum())
 
 
 class Retriever(Protocol):

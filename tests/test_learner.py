@@ -102,18 +102,24 @@ def test_learning_raises_the_cited_rate_and_a_flipped_sign_lowers_it(estimator: 
     assert after_flipped < before - 0.2
 
 
-def test_loss_is_the_reinforce_objective() -> None:
-    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=2, baseline=0.5))
+@pytest.mark.parametrize("importance", [True, False])
+def test_loss_is_the_reinforce_objective(importance: bool) -> None:
+    """The selections were sampled by zero weights, the learner's have moved since: each term is
+    weighted by ρ = min(1, π/μ) (or 1 without the correction)."""
+    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=2, baseline=0.5, importance=importance))
     with torch.no_grad():
         learner.reranker.W_m.weight.normal_(0, 0.2)
     sels = [selection(seed=1), selection(k=4, m=2, seed=2)]
     rewards = [torch.tensor([1.0, -1.0, -1.0]), torch.tensor([-1.0, 1.0])]
-    expected = []
+    expected, ratios = [], []
     for sel, r in zip(sels, rewards):
         c = sel.candidates
         scores = learner.reranker(c.query_embedding[None], c.embeddings[None])
         logp = plackett_luce_logp(scores, torch.tensor([sel.chosen]), 0.5)[0]
-        expected.append(((r - 0.5) * logp).sum())
+        rho = min(1.0, float((logp.sum() - sel.logp.sum()).detach().exp())) if importance else 1.0
+        ratios.append(rho)
+        expected.append(rho * ((r - 0.5) * logp).sum())
+    assert importance is (min(ratios) < 0.99)  # the weights moved: the correction is not a no-op
     expected_loss = -torch.stack(expected).mean().item()
     assert learner.record(sels[0], rewards[0]) is None
     loss = learner.record(sels[1], rewards[1])
@@ -178,14 +184,29 @@ def test_ragged_batches_and_empty_selections_stay_finite() -> None:
     assert all(torch.isfinite(p).all() for p in learner.reranker.parameters())
 
 
-def test_greedy_selections_and_sgd_with_clipping() -> None:
+def test_sgd_with_clipping() -> None:
     config = LearnerConfig(batch_size=2, optimizer="sgd", max_grad_norm=0.01, lr=1.0, estimator="paper")
     learner = Learner(ResidualLinearReranker(D), config)
     assert isinstance(learner.optimizer, torch.optim.SGD)
-    learner.record(selection(explore=False), torch.tensor([1.0, -1.0, -1.0]))
-    learner.record(selection(seed=5, explore=False), torch.tensor([-1.0, -1.0, 1.0]))
+    learner.record(selection(), torch.tensor([1.0, -1.0, -1.0]))
+    learner.record(selection(seed=5), torch.tensor([-1.0, -1.0, 1.0]))
     moved = torch.cat([p.detach().flatten() for p in learner.reranker.parameters()]).norm().item()
     assert 0 < moved <= 0.01 + 1e-6  # one SGD step of lr 1 on a gradient clipped to norm 0.01
+
+
+def test_greedy_selections_are_refused_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Greedy picks were not sampled (no μ): learning from them would be biased, so they are counted
+    and dropped — without an exception for a caller that passes one by mistake."""
+    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=1))
+    before = [p.detach().clone() for p in learner.reranker.parameters()]
+    with caplog.at_level(logging.WARNING, logger="rmm.policy.learner"):
+        assert learner.record(selection(explore=False), torch.tensor([1.0, -1.0, -1.0])) is None
+        assert learner.record(selection(seed=2, explore=False), None) is None
+    assert "greedy" in caplog.text
+    assert learner.stats.skipped_greedy == 1 and learner.stats.records == 0 and learner.pending == 0
+    assert learner.stats.skipped_no_citation == 1 and learner.stats.step == 0  # no reward: nothing to refuse
+    assert all(torch.equal(a, b) for a, b in zip(before, learner.reranker.parameters()))
+    assert isinstance(learner.record(selection(), torch.tensor([1.0, -1.0, -1.0])), float)
 
 
 def test_record_refuses_bad_input() -> None:
@@ -194,7 +215,7 @@ def test_record_refuses_bad_input() -> None:
         learner.record(selection(), torch.tensor([1.0, -1.0]))
     with pytest.raises(DimensionMismatchError):
         learner.record(selection(dim=D + 2), torch.tensor([1.0, -1.0, -1.0]))
-    bm25 = Selection(Candidates("q", ["a"], torch.tensor([1.0])), [0], torch.tensor([1.0]))
+    bm25 = Selection(Candidates("q", ["a"], torch.tensor([1.0])), [0], torch.tensor([1.0]), explore=True)
     with pytest.raises(ValueError, match="embeddings"):
         learner.record(bm25, torch.tensor([1.0]))
     bad = selection()

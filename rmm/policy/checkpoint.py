@@ -8,6 +8,10 @@ A checkpoint is a folder —
 - `meta.json`: dim, encoder, step, stats, config, format version and the SHA-256 of both files,
   so a truncated or bit-flipped file is refused instead of silently loaded.
 
+Format 2 added to each buffered record the τ, behaviour log-probability μ, weights version and
+mask it was sampled with (the off-policy correction needs them) and to the config the credit and
+importance options; format 1 is still read, and `Learner.load` upgrades it.
+
 It is written to a temporary sibling and swapped in with two renames: a crash mid-write never
 leaves a half-written folder where the old one was, and a crash between the renames leaves the
 old checkpoint at `.<name>.old`, which `read_checkpoint` falls back to. This module knows the
@@ -35,6 +39,7 @@ from rmm.errors import CheckpointError, DimensionMismatchError, EncoderMismatchE
 __all__ = [
     "FORMAT_VERSION",
     "KIND",
+    "READABLE_VERSIONS",
     "Checkpoint",
     "backup_of",
     "checkpoint_exists",
@@ -45,7 +50,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: buffered records carry τ, μ, weights version, mask; config credit/importance
+READABLE_VERSIONS = (1, 2)  # older ones the learner upgrades on load
 KIND = "rmm-reranker"
 WEIGHTS, TRAINING, META = "reranker.safetensors", "optimizer.pt", "meta.json"
 _REQUIRED_META = ("dim", "encoder_name", "config", "stats")
@@ -218,9 +224,10 @@ def _read_meta(folder: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("kind") != KIND:
         raise CheckpointError(f"{folder / META} does not describe a reranker checkpoint")
     version = meta.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"checkpoint {folder} has format version {version}; this rmm reads version {FORMAT_VERSION}"
+            f"checkpoint {folder} has format version {version}; this rmm reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
     for key in _REQUIRED_META:
         if key not in meta:

@@ -1,10 +1,14 @@
-"""REINFORCE on citation rewards (paper Eq. 3, App. A.1, DESIGN.md §4).
+"""REINFORCE on citation rewards (paper Eq. 3, App. A.1, DESIGN.md §4), off-policy corrected.
 
 Each shown memory gets +1 if the generator cited it and −1 otherwise; with baseline b the loss of
-a batch is `−mean_queries Σ_j (r_j − b)·log π_j`, π_j the probability of the j-th pick. Rewards
-arrive after the selection was made (maybe much later, from another process), so the learner
-keeps only what it needs to recompute log π *with gradients under the current weights*: the query
-and candidate embeddings, the picks, and the Gumbel noise (for the paper-literal estimator).
+a batch is `−mean_queries ρ · Σ_j w_j·log π_j`, π_j the probability of the j-th pick, `w_j` the
+credit of pick j (`rmm.policy.credit`: per-pick `r_j − b`, reward-to-go or sequence) and ρ the
+truncated importance ratio π_θ/μ of the selection. Rewards arrive after the selection was made
+(maybe much later, from another process, after other updates), so the learner keeps what the
+Selection recorded at sampling time — the query and candidate embeddings as scored, the picks,
+τ, the behaviour log-probability μ, the Gumbel noise (for the paper-literal estimator) — and
+recomputes log π *with gradients under the current weights* from it; it never re-reads the store.
+Greedy (non-sampled) selections have no μ and are refused.
 
 Hyper-parameters and their recipes live in `rmm.policy.recipes`, the checkpoint folder format in
 `rmm.policy.checkpoint`; both are re-exported here for callers.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -24,6 +29,7 @@ from torch import Tensor
 from rmm.device import resolve_device
 from rmm.errors import CheckpointError, DimensionMismatchError
 from rmm.policy.checkpoint import FORMAT_VERSION, read_checkpoint, write_checkpoint
+from rmm.policy.credit import log_importance, pick_weights, truncated_importance
 from rmm.policy.recipes import (
     RECIPES,
     LearnerConfig,
@@ -33,7 +39,7 @@ from rmm.policy.recipes import (
 )
 from rmm.policy.reranker import ResidualLinearReranker
 from rmm.policy.sampling import paper_literal_logp, plackett_luce_logp
-from rmm.types import Selection
+from rmm.types import Candidates, Selection
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,16 +59,28 @@ log = logging.getLogger(__name__)
 @dataclass
 class LearnerStats:
     """Counters. `updates` counts batches processed (applied or skipped as non-finite);
-    `step` counts optimizer steps actually applied."""
+    `step` counts optimizer steps actually applied (the weights version stamped on selections).
+
+    Off-policy diagnostics over the selections of applied and skipped updates alike:
+    `importance_sum / importance_count` is the mean ρ, `importance_clipped` how often π/μ
+    exceeded the clip, `staleness_sum / staleness_count` the mean number of steps between
+    sampling and update (selections that recorded their weights version).
+    """
 
     records: int = 0
     updates: int = 0
     skipped_no_citation: int = 0
     skipped_nonfinite: int = 0
+    skipped_greedy: int = 0
     step: int = 0
     last_loss: float | None = None
     reward_sum: float = 0.0
     reward_count: int = 0
+    importance_sum: float = 0.0
+    importance_count: int = 0
+    importance_clipped: int = 0
+    staleness_sum: int = 0
+    staleness_count: int = 0
 
 
 def rewards_from_citations(n_shown: int, cited: list[int] | None, no_cite: bool = False) -> Tensor | None:
@@ -88,23 +106,53 @@ def rewards_from_citations(n_shown: int, cited: list[int] | None, no_cite: bool 
 
 @dataclass
 class _Pending:
-    """What a selection leaves for its update: enough to recompute log π with gradients."""
+    """What a selection leaves for its update: enough to recompute log π with gradients and to
+    weight it by π_θ/μ, all as recorded when it was sampled."""
 
     query: Tensor  # [d]
     memories: Tensor  # [K, d]
     chosen: Tensor  # [M] long
     rewards: Tensor  # [M]
     noise: Tensor | None  # [K]
+    tau: float
+    behaviour_logp: Tensor  # [M] log μ of each pick
+    version: int | None = None
+    mask: Tensor | None = None  # [K] bool, True = could be picked
 
     def to_state(self) -> dict[str, Any]:
-        state = {k: getattr(self, k) for k in ("query", "memories", "chosen", "rewards")}
-        if self.noise is not None:
-            state["noise"] = self.noise
+        state: dict[str, Any] = {k: getattr(self, k) for k in _STATE_FIELDS}
+        for k in ("noise", "version", "mask"):
+            if getattr(self, k) is not None:
+                state[k] = getattr(self, k)
         return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> _Pending:
-        return cls(state["query"], state["memories"], state["chosen"], state["rewards"], state.get("noise"))
+        return cls(**{k: state[k] for k in _STATE_FIELDS},
+                   **{k: state.get(k) for k in ("noise", "version", "mask")})
+
+
+_STATE_FIELDS = ("query", "memories", "chosen", "rewards", "tau", "behaviour_logp")
+
+
+@dataclass
+class _Batch:
+    """A batch's records as tensors, padded to a common K and M where rows differ."""
+
+    queries: Tensor  # [B, d]
+    memories: Tensor  # [B, K, d]
+    chosen: Tensor  # [B, M]
+    rewards: Tensor  # [B, M]
+    taus: Tensor  # [B]
+    behaviour_logp: Tensor  # [B, M], 0 at padding picks
+    mask: Tensor | None  # [B, K] True = could be picked; None = every candidate
+    pick_valid: Tensor | None  # [B, M] False at padding picks; None = no padding
+    noise: Tensor | None  # [B, K] for the paper estimator
+
+    def to(self, device: torch.device) -> _Batch:
+        return _Batch(*(None if t is None else t.to(device) for t in
+                        (self.queries, self.memories, self.chosen, self.rewards, self.taus, self.behaviour_logp,
+                         self.mask, self.pick_valid, self.noise)))
 
 
 class Learner:
@@ -122,7 +170,10 @@ class Learner:
         self.reranker = reranker.to(self.device)
         self.encoder_name = encoder_name
         self.stats = LearnerStats()
+        self.reranker.version = self.stats.step
         self._buffer: list[_Pending] = []
+        self._warned_tau: set[float] = set()
+        self.last_log_ratio: Tensor | None = None  # log π_θ/μ of each selection in the last `loss`
         self.optimizer = _make_optimizer(self.config, list(self.reranker.parameters()))
 
     @property
@@ -134,16 +185,47 @@ class Learner:
         """Rewarded selections waiting for the next update."""
         return len(self._buffer)
 
+    @property
+    def version(self) -> int:
+        """The current weights version (= `stats.step`), stamped on the selections it samples."""
+        return self.stats.step
+
+    # ---- sampling --------------------------------------------------------------------------
+    def select(
+        self,
+        candidates: Sequence[Candidates],
+        m: int,
+        *,
+        explore: bool = True,
+        generator: torch.Generator | None = None,
+        exclude: Sequence[Collection[str]] | None = None,
+    ) -> list[Selection]:
+        """Sample (or, `explore=False`, rank) M of each candidate list at the learner's own τ.
+
+        The way to sample for learning: τ comes from `config.tau`, the selection records it with
+        the weights version and μ, so its reward can be `record`ed at any later time.
+        """
+        return self.reranker.select(candidates, m, tau=self.config.tau, explore=explore, generator=generator,
+                                    exclude=exclude)
+
     # ---- recording -----------------------------------------------------------------------
     def record(self, selection: Selection, rewards: Tensor | None) -> float | None:
         """Store one rewarded selection; update when the batch is full.
 
         Returns the loss of the update this record triggered, else None (also when the update
-        was skipped as non-finite). `rewards=None` (no parseable citation) is counted and dropped.
+        was skipped as non-finite). Counted and dropped, never an error: `rewards=None` (no
+        parseable citation; `stats.skipped_no_citation`) and a greedy selection
+        (`explore=False`: it was not sampled, so there is no μ to correct with;
+        `stats.skipped_greedy`, with a warning). The selection may be recorded long after it was
+        made, after any number of updates: everything the update needs is in it.
         """
         if rewards is None:
             self.stats.skipped_no_citation += 1
             log.info("no parseable citation for selection %s; skipped", selection.id)
+            return None
+        if not selection.explore:
+            self.stats.skipped_greedy += 1
+            log.warning("selection %s was greedy (explore=False), not sampled; not learned from", selection.id)
             return None
         self._buffer.append(self._pending_from(selection, rewards))
         self.stats.records += 1
@@ -165,14 +247,41 @@ class Learner:
         k = len(c.memory_ids)
         if any(not 0 <= i < k for i in selection.chosen) or len(set(selection.chosen)) != len(selection.chosen):
             raise ValueError(f"selection.chosen {selection.chosen} is not a set of distinct indices in [0, {k})")
+        mask = None
+        if selection.mask is not None:
+            mask = selection.mask.detach().to(torch.bool).reshape(-1).cpu()
+            if mask.numel() != k:
+                raise ValueError(f"selection.mask has {mask.numel()} entries for {k} candidates")
+            if not all(mask[i] for i in selection.chosen):
+                raise ValueError(f"selection.chosen {selection.chosen} picks a masked-out candidate")
+        chosen = torch.tensor(selection.chosen, dtype=torch.long)
+        tau = self._tau_of(selection)
         noise = None if selection.noise is None else selection.noise.detach().float().reshape(-1).cpu()
         return _Pending(
             query=c.query_embedding.detach().float().reshape(self.dim).cpu(),
             memories=c.embeddings.detach().float().reshape(k, self.dim).cpu(),
-            chosen=torch.tensor(selection.chosen, dtype=torch.long),
+            chosen=chosen,
             rewards=rewards,
             noise=noise,
+            tau=tau,
+            behaviour_logp=_behaviour_logp(selection, chosen, tau, mask),
+            version=selection.version,
+            mask=mask,
         )
+
+    def _tau_of(self, selection: Selection) -> float:
+        """The τ to learn this selection at: the one it was sampled at (so μ and π agree on it);
+        the learner's own for a selection that did not record one."""
+        if selection.tau is None:
+            return float(self.config.tau)
+        tau = float(selection.tau)
+        if not tau > 0 or not math.isfinite(tau):
+            raise ValueError(f"selection.tau must be a finite number > 0, got {selection.tau!r}")
+        if not math.isclose(tau, self.config.tau, rel_tol=1e-6) and tau not in self._warned_tau:
+            self._warned_tau.add(tau)
+            log.warning("selections sampled at tau=%g, learner configured for tau=%g: learning them at their own "
+                        "tau; sample through Learner.select to use one value", tau, self.config.tau)
+        return tau
 
     def flush(self) -> float | None:
         """Update with whatever is buffered (end of a run); None when the buffer is empty."""
@@ -192,47 +301,46 @@ class Learner:
         return self.stats.reward_sum / self.stats.reward_count if self.stats.reward_count else 0.0
 
     def loss(self, batch: list[_Pending]) -> Tensor:
-        """`−mean_b Σ_j (r_j − b)·log π_j`, log π recomputed with gradients under current weights."""
-        dev = self.device
-        ks = [p.memories.shape[0] for p in batch]
-        ms = [p.chosen.numel() for p in batch]
-        if max(ks) == 0 or max(ms) == 0:
+        """`−mean_b ρ_b Σ_j w_bj·log π_bj`, log π recomputed with gradients under current weights.
+
+        `w` is the configured credit (`rmm.policy.credit`), ρ = min(is_clip, π_θ/μ) the detached
+        truncated importance ratio (1 with `importance=False`); `last_log_ratio` keeps log π_θ/μ.
+        """
+        self.last_log_ratio = None
+        if not batch or max(p.memories.shape[0] for p in batch) == 0 or max(p.chosen.numel() for p in batch) == 0:
             return (self.reranker.W_q.weight.sum() + self.reranker.W_m.weight.sum()) * 0.0
-        queries = torch.stack([p.query for p in batch]).to(dev)
         paper = self.config.estimator == "paper"
-        if len(set(ks)) == 1 and len(set(ms)) == 1:  # the usual case: no padding needed
-            memories = torch.stack([p.memories for p in batch]).to(dev)
-            chosen = torch.stack([p.chosen for p in batch]).to(dev)
-            rewards = torch.stack([p.rewards for p in batch]).to(dev)
-            mask = pick_valid = None
-            noise = _stack_noise(batch, ks[0]).to(dev) if paper else None
-        else:
-            memories, mask, chosen, rewards, pick_valid, noise = _pad_batch(batch, max(ks), max(ms), paper)
-            memories, mask, chosen, rewards, pick_valid = (
-                t.to(dev) for t in (memories, mask, chosen, rewards, pick_valid)
-            )
-            noise = None if noise is None else noise.to(dev)
-        b = self.baseline()
-        scores = self.reranker.policy_scores(queries, memories)
+        t = _stack_batch(batch, paper).to(self.device)
+        scores = self.reranker.policy_scores(t.queries, t.memories)
+        logits = scores / t.taus.unsqueeze(-1)  # each selection at the τ it was sampled at
+        pl_logp = plackett_luce_logp(logits, t.chosen, 1.0, t.mask)
         if paper:
-            logp = paper_literal_logp(scores, noise, chosen, self.config.tau, mask)
+            logp = paper_literal_logp(logits, t.noise / t.taus.unsqueeze(-1), t.chosen, 1.0, t.mask)
         else:
-            logp = plackett_luce_logp(scores, chosen, self.config.tau, mask)
-        if pick_valid is not None:
+            logp = pl_logp
+        advantage = t.rewards - self.baseline()
+        if t.pick_valid is not None:
             # Padding picks may be -inf; select them away before multiplying (0·inf = NaN).
-            logp = torch.where(pick_valid, logp, torch.zeros_like(logp))
-            advantage = torch.where(pick_valid, rewards - b, torch.zeros_like(rewards))
-        else:
-            advantage = rewards - b
-        return -(advantage * logp).sum(-1).mean()
+            logp = torch.where(t.pick_valid, logp, torch.zeros_like(logp))
+            pl_logp = torch.where(t.pick_valid, pl_logp, torch.zeros_like(pl_logp))
+            advantage = torch.where(t.pick_valid, advantage, torch.zeros_like(advantage))
+        log_ratio = self.last_log_ratio = log_importance(pl_logp, t.behaviour_logp)
+        rho = self._importance(log_ratio)
+        weights = pick_weights(advantage, self.config.credit)
+        return -(rho * (weights * logp).sum(-1)).mean()
+
+    def _importance(self, log_ratio: Tensor) -> Tensor:
+        """ρ per selection: min(is_clip, π_θ/μ), or 1 with `importance=False`."""
+        if self.config.importance:
+            return truncated_importance(log_ratio, self.config.is_clip)
+        return torch.ones_like(log_ratio)
 
     def _update(self) -> float | None:
         batch, self._buffer = self._buffer, []
         self.stats.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss(batch)
-        self.stats.reward_sum += float(sum(p.rewards.sum() for p in batch))
-        self.stats.reward_count += sum(p.rewards.numel() for p in batch)
+        self._count(batch)
         value = float(loss.detach())
         if not math.isfinite(value):
             return self._skip_nonfinite(f"loss is {value}")
@@ -248,8 +356,22 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         self.reranker.invalidate()
         self.stats.step += 1
+        self.reranker.version = self.stats.step
         self.stats.last_loss = value
         return value
+
+    def _count(self, batch: list[_Pending]) -> None:
+        self.stats.reward_sum += float(sum(p.rewards.sum() for p in batch))
+        self.stats.reward_count += sum(p.rewards.numel() for p in batch)
+        if self.last_log_ratio is not None:
+            log_ratio = self.last_log_ratio[torch.isfinite(self.last_log_ratio)]
+            self.stats.importance_sum += float(self._importance(log_ratio).sum())
+            self.stats.importance_count += int(log_ratio.numel())
+            if self.config.importance:
+                self.stats.importance_clipped += int((log_ratio > math.log(self.config.is_clip)).sum())
+        stale = [self.stats.step - p.version for p in batch if p.version is not None]
+        self.stats.staleness_sum += sum(stale)
+        self.stats.staleness_count += len(stale)
 
     def _skip_nonfinite(self, why: str) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -277,7 +399,13 @@ class Learner:
         dim: int | None = None,
         device: str | torch.device = "cpu",
     ) -> Learner:
-        """Resume from `save`'s folder; refuses another encoder or dimension than expected."""
+        """Resume from `save`'s folder; refuses another encoder or dimension than expected.
+
+        A format-1 checkpoint is upgraded on load: its config and stats take the new fields'
+        defaults, and its buffered records — saved without τ or μ — are taken as sampled at the
+        learner's τ by the weights just loaded (ρ = 1 at the next update, which is what version 1
+        did with them).
+        """
         saved = read_checkpoint(path, encoder_name=encoder_name, dim=dim)
         meta = saved.meta
         try:
@@ -287,40 +415,84 @@ class Learner:
             reranker.load_state_dict(saved.weights)
             learner = cls(reranker, config, encoder_name=meta["encoder_name"], device=device)
             learner.optimizer.load_state_dict(saved.training["optimizer"])
-            learner._buffer = [_Pending.from_state(s) for s in saved.training["pending"]]
             learner.stats = LearnerStats(**meta["stats"])
+            learner.reranker.version = learner.stats.step
+            learner._buffer = [learner._restore_pending(s) for s in saved.training["pending"]]
         except Exception as exc:  # shape, key and value errors all mean the same to a user
             raise CheckpointError(f"cannot load reranker checkpoint {saved.folder}: {exc}") from exc
+        if meta["format_version"] < FORMAT_VERSION:
+            log.info("upgraded reranker checkpoint %s from format %s to %s (saved on the next save)",
+                     saved.folder, meta["format_version"], FORMAT_VERSION)
         return learner
 
+    def _restore_pending(self, state: dict[str, Any]) -> _Pending:
+        if "behaviour_logp" in state:
+            return _Pending.from_state(state)
+        # format 1: no τ, no μ — the record was meant for the weights it was saved with
+        tau = float(self.config.tau)
+        chosen = state["chosen"].long()
+        with torch.no_grad():
+            scores = self.reranker.policy_scores(state["query"][None].to(self.device),
+                                                 state["memories"][None].to(self.device))
+            mu = plackett_luce_logp(scores, chosen[None].to(self.device), tau)[0].cpu()
+        return _Pending(query=state["query"], memories=state["memories"], chosen=chosen, rewards=state["rewards"],
+                        noise=state.get("noise"), tau=tau, behaviour_logp=mu)
 
-def _stack_noise(batch: list[_Pending], k: int) -> Tensor:
-    """The stored Gumbel noise; zeros for greedy selections (the paper estimator then reduces to
-    `log softmax(s/τ)`)."""
-    return torch.stack([p.noise if p.noise is not None and p.noise.numel() == k else torch.zeros(k) for p in batch])
+
+def _behaviour_logp(selection: Selection, chosen: Tensor, tau: float, mask: Tensor | None) -> Tensor:
+    """log μ per pick: as the sampler recorded it, else from the scores it sampled with (the same
+    Plackett–Luce log-probability under `scores/τ`)."""
+    m = chosen.numel()
+    if selection.logp is not None:
+        logp = selection.logp.detach().float().reshape(-1).cpu()
+        if logp.numel() != m:
+            raise ValueError(f"selection.logp has {logp.numel()} entries for {m} picks")
+    else:
+        scores = selection.scores.detach().float().reshape(-1).cpu()
+        if scores.numel() != len(selection.candidates.memory_ids):
+            raise ValueError(f"selection.scores has {scores.numel()} entries for "
+                             f"{len(selection.candidates.memory_ids)} candidates")
+        if m == 0:
+            return torch.zeros(0)
+        logp = plackett_luce_logp(scores[None], chosen[None], tau, None if mask is None else mask[None])[0]
+    if not bool(torch.isfinite(logp).all()):
+        raise ValueError(f"the selection's behaviour log-probability is not finite: {logp.tolist()}")
+    return logp
 
 
-def _pad_batch(
-    batch: list[_Pending], k_max: int, m_max: int, with_noise: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """Pad rows of different K (users with few memories) and M (fewer picks than M)."""
-    size, dim = len(batch), batch[0].query.shape[0]
+def _stack_batch(batch: list[_Pending], with_noise: bool) -> _Batch:
+    """Stack a batch; pad rows of different K (users with few memories) and M (fewer picks)."""
+    ks = [p.memories.shape[0] for p in batch]
+    ms = [p.chosen.numel() for p in batch]
+    taus = torch.tensor([p.tau for p in batch], dtype=torch.float32)
+    if len(set(ks)) == 1 and len(set(ms)) == 1 and all(p.mask is None for p in batch):  # the usual case
+        noise = None
+        if with_noise:
+            noise = torch.stack([p.noise if p.noise is not None and p.noise.numel() == ks[0] else torch.zeros(ks[0])
+                                 for p in batch])
+        return _Batch(torch.stack([p.query for p in batch]), torch.stack([p.memories for p in batch]),
+                      torch.stack([p.chosen for p in batch]), torch.stack([p.rewards for p in batch]), taus,
+                      torch.stack([p.behaviour_logp for p in batch]), None, None, noise)
+    size, dim, k_max, m_max = len(batch), batch[0].query.shape[0], max(ks), max(ms)
     memories = torch.zeros(size, k_max, dim)
     mask = torch.zeros(size, k_max, dtype=torch.bool)
     chosen = torch.zeros(size, m_max, dtype=torch.long)
     rewards = torch.zeros(size, m_max)
+    mu = torch.zeros(size, m_max)
     pick_valid = torch.zeros(size, m_max, dtype=torch.bool)
+    # Zeros for greedy or noiseless rows: the paper estimator then reduces to `log softmax(s/τ)`.
     noise = torch.zeros(size, k_max) if with_noise else None
     for i, p in enumerate(batch):
-        k, m = p.memories.shape[0], p.chosen.numel()
+        k, m = ks[i], ms[i]
         memories[i, :k] = p.memories
-        mask[i, :k] = True
+        mask[i, :k] = True if p.mask is None else p.mask
         chosen[i, :m] = p.chosen
         rewards[i, :m] = p.rewards
+        mu[i, :m] = p.behaviour_logp
         pick_valid[i, :m] = True
         if noise is not None and p.noise is not None and p.noise.numel() == k:
             noise[i, :k] = p.noise
-    return memories, mask, chosen, rewards, pick_valid, noise
+    return _Batch(torch.stack([p.query for p in batch]), memories, chosen, rewards, taus, mu, mask, pick_valid, noise)
 
 
 def _make_optimizer(config: LearnerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -14,11 +14,18 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rmm.policy.credit import CREDITS, Credit
+
 __all__ = ["RECIPES", "LearnerConfig", "is_normalized_encoder", "recipe_config", "recipe_for"]
 
 
 @dataclass
 class LearnerConfig:
+    """`credit` weights the per-pick log π terms (`rmm.policy.credit`); `importance` weights each
+    delayed selection by `min(is_clip, π_θ/μ)` (off for `--no-is`; `is_clip = math.inf` leaves
+    the ratio untruncated). `tau` is what `Learner.select` samples with; a selection that recorded
+    its own τ is learned at that τ, so sampling and log π never use two different values."""
+
     lr: float = 1e-3
     batch_size: int = 4
     baseline: float | Literal["mean"] = 0.5
@@ -26,6 +33,9 @@ class LearnerConfig:
     estimator: Literal["plackett-luce", "paper"] = "plackett-luce"
     optimizer: Literal["adam", "sgd"] = "adam"
     max_grad_norm: float | None = None
+    credit: Credit = "per-pick"
+    importance: bool = True
+    is_clip: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -42,6 +52,12 @@ class LearnerConfig:
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.credit not in CREDITS:
+            raise ValueError(f"credit must be one of {CREDITS}, got {self.credit!r}")
+        if type(self.importance) is not bool:
+            raise ValueError(f"importance must be true or false, got {self.importance!r}")
+        if isinstance(self.is_clip, bool) or not isinstance(self.is_clip, (int, float)) or not self.is_clip > 0:
+            raise ValueError(f"is_clip must be a number > 0 (inf: no truncation), got {self.is_clip!r}")
 
 
 RECIPES: dict[str, dict[str, Any]] = {

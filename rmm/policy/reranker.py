@@ -123,6 +123,9 @@ class ResidualLinearReranker(nn.Module):
         nn.init.zeros_(self.W_m.weight)
         self._folded: tuple[tuple, Tensor] | None = None
         self._served: tuple[tuple | None, int] = (None, 0)  # query rows served per weight version
+        # The weights version stamped on every Selection: the learner that owns this reranker sets it
+        # to its optimizer step count after each step, so a delayed reward knows how stale it is.
+        self.version = 0
 
     # ---- training path -------------------------------------------------------------------
     def forward(self, queries: Tensor, memories: Tensor) -> Tensor:
@@ -201,10 +204,12 @@ class ResidualLinearReranker(nn.Module):
         """Rerank each candidate list and pick its top-M (Gumbel-sampled when `explore`).
 
         A list with fewer than `m` candidates yields all of them, ordered. `logp` is the detached
-        Plackett–Luce log-probability of the picks (None when not exploring: greedy picks have no
-        sampling probability worth reporting). `exclude[i]` holds memory ids list i must not
-        show: they are masked before the top-M and left out of the returned Selection (module
-        docstring), which may then have fewer than `m` picks.
+        Plackett–Luce log-probability of the picks under `scores/tau` — the behaviour policy μ a
+        delayed update corrects for (None when not exploring: greedy picks have no sampling
+        probability worth reporting). Each Selection records `tau` and the weights `version`.
+        `exclude[i]` holds memory ids list i must not show: they are masked before the top-M and
+        left out of the returned Selection (module docstring), which may then have fewer than `m`
+        picks.
         """
         if m < 0:
             raise ValueError(f"m must be >= 0, got {m}")
@@ -254,6 +259,8 @@ class ResidualLinearReranker(nn.Module):
                     logp=None if logp is None else logp[i, :m_i],
                     noise=None if noise is None else noise[i, kept],
                     explore=explore,
+                    tau=float(tau),
+                    version=self.version,
                 )
             )
         return out
