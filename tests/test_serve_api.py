@@ -144,7 +144,7 @@ def test_unknown_ids_get_404_and_used_or_expired_selections_say_so(tmp_path: Pat
 # ---- the main loop ------------------------------------------------------------------------------
 def test_feedback_through_the_api_updates_the_reranker(client: TestClient) -> None:
     service = client.app.state.service
-    before = service.learner("").reranker.W_m.weight.detach().clone()
+    before = service.learner("alpha").reranker.W_m.weight.detach().clone()
     results = client.post("/v1/retrieve", json={"queries": [{"user": "ana", "query": "sourdough bread"},
                                                             {"user": "ana", "query": "golden retriever puppy"}]},
                           headers=A).json()["results"]
@@ -156,7 +156,7 @@ def test_feedback_through_the_api_updates_the_reranker(client: TestClient) -> No
                                                "text": '{"answer": "Max", "citations": [1]}', "structured": True},
                          headers=A).json()
     assert second["cited"] == [1] and second["updated"] and second["learner_step"] == 1
-    assert not service.learner("").reranker.W_m.weight.equal(before)
+    assert not service.learner("alpha").reranker.W_m.weight.equal(before)
     metrics = client.get("/metrics").text
     assert "rmm_learner_updates_total 1.0" in metrics
     assert 'rmm_feedback_total{outcome="learned"} 2.0' in metrics

@@ -133,7 +133,7 @@ def test_restart_keeps_memories_checkpoint_and_pending_selections(tmp_path: Path
         for query in ("hikes trails", "cello orchestra"):
             rmm.feedback(rmm.retrieve_one("ana", query).selection_id, cited=[0])
         waiting = rmm.retrieve_one("ana", "sourdough bread").selection_id
-    assert (bank / "reranker" / "meta.json").exists()  # saved at shutdown
+    assert list((bank / "reranker" / "tenants").glob("acme-*/meta.json"))  # the tenant's, saved at shutdown
 
     with running_server(bank) as url, RmmClient(url, KEY) as rmm:
         assert [m.text for m in rmm.memories("ana")] == FACTS

@@ -128,7 +128,7 @@ def test_bank_scope_searches_with_the_learned_query(tmp_path: Path) -> None:
 # ---- feedback → learner -------------------------------------------------------------------------
 def test_feedback_feeds_the_learner_and_a_full_batch_moves_the_weights(service: RetrievalService) -> None:
     first, second = (one(service, "ana", q, explore=True) for q in ("hiking trails", "sourdough bread"))
-    learner = service.learner("")
+    learner = service.learner("alpha")
     before = learner.reranker.W_q.weight.detach().clone()
     r1 = service.feedback("alpha", first.selection_id, cited=[0])
     assert r1.rewards == [1.0, -1.0, -1.0] and not r1.updated
@@ -152,7 +152,7 @@ def test_feedback_variants_and_refusals(service: RetrievalService) -> None:
         service.feedback("alpha", a.selection_id, cited=[0])
     assert service.feedback("alpha", b.selection_id, no_cite=True).rewards == [-1.0] * 3
     skipped = service.feedback("alpha", c.selection_id, text="I am not sure what you mean.")
-    assert skipped.rewards is None and service.learner("").stats.skipped_no_citation == 1
+    assert skipped.rewards is None and service.learner("alpha").stats.skipped_no_citation == 1
 
 
 def test_another_tenants_selection_is_unknown_and_old_ones_expire(tmp_path: Path) -> None:
@@ -241,14 +241,14 @@ def test_checkpoint_on_close_and_reload_on_restart(tmp_path: Path) -> None:
     service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
     service.feedback("alpha", one(service, "ana", "hiking", explore=True).selection_id, cited=[0])
     pending = one(service, "ana", "sourdough bread")  # left waiting for feedback across the restart
-    weights = service.learner("").reranker.W_q.weight.detach().clone()
-    assert service.learner("").stats.step == 1
+    weights = service.learner("alpha").reranker.W_q.weight.detach().clone()
+    assert service.learner("alpha").stats.step == 1
     service.close()
-    assert (tmp_path / "bank" / "reranker" / "meta.json").exists()
+    assert (tmp_path / "bank" / "reranker" / "tenants" / "alpha-be76331b95" / "meta.json").exists()
 
     again = make_service(tmp_path, learner={"batch_size": 1})
     try:
-        learner = again.learner("")
+        learner = again.learner("alpha")
         assert learner.stats.step == 1 and torch.equal(learner.reranker.W_q.weight, weights)
         result = again.feedback("alpha", pending.selection_id, cited=[0])
         assert result.updated and result.learner_step == 2
@@ -262,7 +262,7 @@ def test_periodic_checkpoints(tmp_path: Path) -> None:
     try:
         service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
         service.feedback("alpha", one(service, "ana", "hiking").selection_id, cited=[0])
-        meta = tmp_path / "bank" / "reranker" / "meta.json"
+        meta = tmp_path / "bank" / "reranker" / "tenants" / "alpha-be76331b95" / "meta.json"
         deadline = time.monotonic() + 5
         while not meta.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -3,11 +3,15 @@
 Every `/v1` route needs an API key (`Authorization: Bearer KEY` or `X-API-Key: KEY`), checked
 before the body is even read (`rmm.serve.gate`), so a caller without a key learns nothing but
 "401". The key names the tenant (`rmm.serve.deps.Tenant`); users, selections and jobs of other
-tenants answer 404 exactly like ids that never existed. Errors are JSON `{"detail": message,
+tenants answer 404 exactly like ids that never existed, and no answer shows the internal
+`tenant:user` form of an id. Each tenant's feedback trains its own reranker unless
+`reranker_per: bank` explicitly shares one. Every non-2xx answer is JSON `{"detail": message,
 "code": short_name}` (`rmm.serve.http_errors`): 401 no/invalid key, 404 unknown
-user/memory/selection/job, 409 duplicate memory id or feedback given twice, 410 expired
-selection, 413 body too large, 422 malformed or impossible request, 503 shutting down.
-`/health` and `/metrics` (Prometheus text format) need no key and show no tenant's data.
+user/memory/selection/job or path, 405 wrong method, 409 duplicate memory id or feedback given
+twice, 410 expired selection, 413 body too large, 422 malformed or impossible request (not UTF-8
+or JSON, a lone surrogate or a blank query, naming the field), 500 unexpected (no details), 503
+shutting down. `/health` and `/metrics` (Prometheus text format) need no key and show no
+tenant's data.
 
 Where things live: bodies in `schemas`, routes in `routes/` (one router per resource), the
 routes' dependencies (the tenant too) in `deps`, metrics in `metrics`, the service in `service`.

@@ -146,6 +146,15 @@ def _retrievals(payload: dict[str, Any]) -> list[Retrieval]:
             for r in payload["results"]]
 
 
+def _query_json(query: Query | dict[str, Any]) -> dict[str, Any]:
+    """A query as the API takes it: a `Query`, or a plain dict with the same fields."""
+    if isinstance(query, Query):
+        return query.to_json()
+    if isinstance(query, dict):
+        return Query(**query).to_json()  # a misspelt field is a TypeError here, not a 422 later
+    raise TypeError(f"a query is a Query or a dict of its fields, got {type(query).__name__}")
+
+
 def _memory_json(memory: str | dict[str, Any]) -> dict[str, Any]:
     return {"text": memory} if isinstance(memory, str) else dict(memory)
 
@@ -260,8 +269,9 @@ class RmmClient:
                 raise TimeoutError(f"job {job_id} still {info.status} after {timeout} s")
             time.sleep(poll)
 
-    def retrieve(self, queries: list[Query]) -> list[Retrieval]:
-        return _retrievals(self._call("POST", "/v1/retrieve", {"queries": [q.to_json() for q in queries]}))
+    def retrieve(self, queries: list[Query | dict[str, Any]]) -> list[Retrieval]:
+        """Memories for each query (`Query` objects or dicts `{user, query, k?, m?, explore?}`)."""
+        return _retrievals(self._call("POST", "/v1/retrieve", {"queries": [_query_json(q) for q in queries]}))
 
     def retrieve_one(self, user: str, query: str, **options: Any) -> Retrieval:
         (result,) = self.retrieve([Query(user, query, **options)])
@@ -345,8 +355,8 @@ class AsyncRmmClient:
                 raise TimeoutError(f"job {job_id} still {info.status} after {timeout} s")
             await asyncio.sleep(poll)
 
-    async def retrieve(self, queries: list[Query]) -> list[Retrieval]:
-        return _retrievals(await self._call("POST", "/v1/retrieve", {"queries": [q.to_json() for q in queries]}))
+    async def retrieve(self, queries: list[Query | dict[str, Any]]) -> list[Retrieval]:
+        return _retrievals(await self._call("POST", "/v1/retrieve", {"queries": [_query_json(q) for q in queries]}))
 
     async def retrieve_one(self, user: str, query: str, **options: Any) -> Retrieval:
         (result,) = await self.retrieve([Query(user, query, **options)])

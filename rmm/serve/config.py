@@ -137,7 +137,9 @@ class ServeConfig:
     recipe: str = "auto"  # learner hyper-parameters: auto | paper | normalized (rmm.policy.learner.RECIPES)
     explore: bool = True
     scope: Literal["topk", "bank"] = "topk"
-    reranker_per: Literal["bank", "tenant", "user"] = "bank"
+    # whose feedback trains the reranker that ranks whose memories: each tenant learns alone by
+    # default; "bank" (one reranker every tenant trains and is ranked by) only by explicit choice
+    reranker_per: Literal["bank", "tenant", "user"] = "tenant"
     learner: dict[str, Any] = field(default_factory=dict)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)

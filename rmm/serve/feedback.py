@@ -2,19 +2,24 @@
 
 A selection is claimed exactly once (the claim and the validity checks are one transaction in the
 selection store), so feedback sent twice or for an expired selection cannot reward anything.
+Feedback the learner could not use because of a caller's mistake — citing only indices that were
+never shown — is refused (422) before the claim, so the corrected feedback can still be sent.
+A reply without any citation is not a mistake: it is recorded as "no parseable citation".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rmm.memory.bank import MemoryBank
-from rmm.policy.citations import parse_citations, parse_json_citations
+from rmm.policy.citations import Citation, parse_citations, parse_json_citations
 from rmm.policy.learner import rewards_from_citations
 from rmm.policy.registry import LearnerRegistry
 from rmm.serve.errors import BadRequestError
 from rmm.serve.pending import PendingSelection, SelectionStore
 from rmm.serve.records import FeedbackResult
+from rmm.serve.tenants import callers_terms, unscoped
 from rmm.types import Candidates, Selection
 
 __all__ = ["FeedbackLearner"]
@@ -41,7 +46,8 @@ class FeedbackLearner:
             if cited is not None:
                 bad = [i for i in cited if not 0 <= i < n]
                 if bad:
-                    raise BadRequestError(f"cited indices {bad} are outside the {n} memories shown (0..{n - 1})")
+                    raise BadRequestError(f"cited indices {bad} are outside the {n} memories shown (0..{n - 1}); "
+                                          "the selection is still open")
                 if len(set(cited)) != len(cited):
                     raise BadRequestError(f"cited indices {cited} repeat an index")
                 outcome.update(cited=list(cited), no_cite=not cited, warnings=[])
@@ -49,12 +55,16 @@ class FeedbackLearner:
                 outcome.update(cited=[], no_cite=True, warnings=[])
             else:
                 assert text is not None
-                citation = (parse_json_citations if structured else parse_citations)(text, n)
+                parse = parse_json_citations if structured else parse_citations
+                citation = parse(text, n)
+                if citation.cited is None and not citation.no_cite:
+                    _refuse_out_of_range(parse, text, n)
                 outcome.update(cited=citation.cited, no_cite=citation.no_cite, warnings=list(citation.warnings))
 
         pending = self.selections.claim(tenant, selection_id, check)
         rewards = rewards_from_citations(len(pending.chosen), outcome["cited"], outcome["no_cite"])
-        selection = self._rebuild(pending)
+        with callers_terms(tenant, unscoped(pending.user_id)):
+            selection = self._rebuild(pending)
         with self.learners.lock:
             learner = self.learners.get(pending.reranker_key)
             step_before = learner.stats.step
@@ -75,3 +85,17 @@ class FeedbackLearner:
                                 user_id=pending.user_id)
         return Selection(candidates=candidates, chosen=pending.chosen, scores=pending.scores, logp=pending.logp,
                          noise=pending.noise, explore=pending.explore, id=pending.id)
+
+
+# large enough that no index a reply can spell is out of range (the parser caps indices at 9 digits)
+_ANY_INDEX = 10**10
+
+
+def _refuse_out_of_range(parse: Callable[[str, int], Citation], text: str, n: int) -> None:
+    """Refuse a reply whose citation names only indices that were never shown (`[7]` of 5): the
+    parser drops them and would record "no parseable citation", using up the selection."""
+    unbounded = parse(text, _ANY_INDEX)
+    if unbounded.cited:
+        raise BadRequestError(f"the reply cites {unbounded.cited}, but only {n} memories were shown (valid indices "
+                              f"0..{n - 1}); send the corrected reply, `cited`, or `no_cite: true` — the selection "
+                              "is still open")

@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import torch
 
-from rmm.errors import UnknownUserError
 from rmm.memory.bank import MemoryBank
 from rmm.memory.sessions import SessionLog
+from rmm.memory.store import DuplicateMemoryError
 from rmm.policy.registry import LearnerRegistry
 from rmm.serve.jobs import JobQueue
 from rmm.serve.locked_encoder import LockedEncoder
 from rmm.serve.pending import SelectionStore
 from rmm.serve.records import NewMemory, WriteItem
-from rmm.serve.tenants import scoped, unscoped
+from rmm.serve.tenants import (
+    callers_error,
+    callers_terms,
+    scoped,
+    unknown_user,
+    unscoped,
+)
 from rmm.types import Memory
 
 __all__ = ["UserMemories"]
@@ -37,7 +43,7 @@ class UserMemories:
         """The scoped id of a user that has memories; UnknownUserError otherwise."""
         user_id = scoped(tenant, user)
         if not self.bank.store.has_user(user_id):
-            raise UnknownUserError(f"unknown user {user!r} (no memories stored for this user)")
+            raise unknown_user(user)
         return user_id
 
     def users(self, tenant: str) -> list[str]:
@@ -63,22 +69,25 @@ class UserMemories:
         vectors = self.encoder.encode_passages(texts) if texts else torch.empty(0, self.encoder.dim)
         results: list[list[str] | Exception] = []
         start = 0
-        for batch in records:
+        for item, batch in zip(items, records):
             rows = vectors[start:start + len(batch)]
             start += len(batch)
             try:
+                _refuse_repeated_ids(batch)
                 results.append(self.bank.add(batch[0].user_id, batch, embeddings=rows) if batch else [])
             except Exception as error:  # noqa: BLE001 - handed back to this request only
-                results.append(error)
+                results.append(callers_error(error, item.tenant, item.user))
         return results
 
     def memories(self, tenant: str, user: str) -> list[Memory]:
-        return self.bank.memories(self.require_user(tenant, user))
+        with callers_terms(tenant, user):
+            return self.bank.memories(self.require_user(tenant, user))
 
     def delete_memory(self, tenant: str, user: str, memory_id: str) -> int:
         """Delete from store and index; returns how many pending selections it invalidated."""
         user_id = self.require_user(tenant, user)
-        self.bank.delete(user_id, [memory_id])
+        with callers_terms(tenant, user):
+            self.bank.delete(user_id, [memory_id])
         return self.selections.delete_memory(user_id, memory_id)
 
     def delete_user(self, tenant: str, user: str) -> dict[str, int]:
@@ -87,14 +96,24 @@ class UserMemories:
         user_id = scoped(tenant, user)
         open_turns = len(self.sessions.current(user_id).turns)
         if not self.bank.store.has_user(user_id) and not open_turns:
-            raise UnknownUserError(f"unknown user {user!r}")
+            raise unknown_user(user)
         counts = {"memories": 0, "selections": 0, "session_turns": open_turns, "jobs_cancelled": 0}
         counts["jobs_cancelled"] = self.jobs.cancel_user(user_id)
         if self.bank.store.has_user(user_id):
             counts["memories"] = self.bank.store.count(user_id)
-            self.bank.delete_user(user_id)
+            with callers_terms(tenant, user):
+                self.bank.delete_user(user_id)
         counts["selections"] = self.selections.delete_user(user_id)
         self.sessions.clear(user_id)
         if self.per_user_rerankers:
             self.learners.drop(user_id, delete_checkpoint=True)
         return counts
+
+
+def _refuse_repeated_ids(batch: list[Memory]) -> None:
+    """One request naming an id twice, said with the caller's ids (the store's message is scoped)."""
+    seen: set[str] = set()
+    for memory in batch:
+        if memory.id in seen:
+            raise DuplicateMemoryError(f"memory id {memory.id!r} appears more than once in this request")
+        seen.add(memory.id)

@@ -2,7 +2,8 @@
 
 Counters and histograms are updated as requests and batches happen; the gauges (pending
 selections, jobs, learner steps) are read from the service at scrape time, so they can never
-drift from its state. One registry per app, so several apps (tests) never share counters.
+drift from its state. The endpoint needs no key, so learner figures are totals with no tenant
+label. One registry per app, so several apps (tests) never share counters.
 """
 
 from __future__ import annotations
@@ -66,14 +67,14 @@ class ServiceCollector:
         for state, n in stats["jobs"].items():
             jobs.add_metric([state], n)
         yield jobs
-        step = GaugeMetricFamily("rmm_learner_step", "optimizer steps of each reranker", labels=["reranker"])
-        records = GaugeMetricFamily("rmm_learner_records", "rewarded selections recorded", labels=["reranker"])
-        for key, s in stats["learners"].items():
-            label = key if self.service.config.reranker_per != "user" else "user"
-            step.add_metric([label], s["step"])
-            records.add_metric([label], s["records"])
-        yield step
-        yield records
+        # totals, not per reranker: /metrics needs no key, so it must not name tenants or show one's activity
+        for name, help_text, key in (
+                ("rmm_learner_step", "optimizer steps of the loaded rerankers, summed", "learner_step"),
+                ("rmm_learner_records", "rewarded selections the loaded rerankers recorded, summed", "learner_records"),
+                ("rmm_rerankers", "rerankers loaded (one per tenant by default)", "rerankers")):
+            gauge = GaugeMetricFamily(name, help_text)
+            gauge.add_metric([], stats[key])
+            yield gauge
 
 
 class RequestMetrics:

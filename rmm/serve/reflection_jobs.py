@@ -3,6 +3,10 @@
 Turns are appended to the user's open session as they arrive; ending the session (or posting a
 whole finished one) records a reflection job and answers at once, because reflecting takes
 seconds. The job queue is this module's: it runs `run` for each job, in order, in one worker.
+
+The session log keys sessions by the tenant-scoped user id and names them after it; the ids it
+makes are handed out (and stored as memory ids and refs) without the tenant part, so a tenant
+only ever sees ids it could have named itself.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from rmm.memory.bank import MemoryBank
 from rmm.memory.sessions import SessionLog
 from rmm.serve.errors import NoOpenSessionError
 from rmm.serve.jobs import Job, JobQueue
-from rmm.serve.tenants import scoped
+from rmm.serve.tenants import scoped, unscoped_id
 from rmm.types import Memory, Session, Turn
 
 if TYPE_CHECKING:
@@ -35,8 +39,8 @@ class SessionReflection:
         self._reflector: ProspectiveReflector | None = None
 
     def append_turns(self, tenant: str, user: str, turns: list[tuple[str, str]]) -> list[Turn]:
-        """Append to the user's open session (committed before returning)."""
-        return self.sessions.append(scoped(tenant, user), turns)
+        """Append to the user's open session (committed before returning); ids as the tenant sees them."""
+        return [_unscoped_turn(tenant, turn) for turn in self.sessions.append(scoped(tenant, user), turns)]
 
     def end_session(self, tenant: str, user: str, *, speakers: list[str] | None = None,
                     store_turns: bool = False) -> Job:
@@ -45,6 +49,8 @@ class SessionReflection:
         session = self.sessions.current(user_id)
         if not session.turns:
             raise NoOpenSessionError(f"user {user!r} has no open session: post turns first")
+        session = Session(id=unscoped_id(tenant, session.id), user_id=user_id, time=session.time,
+                          turns=[_unscoped_turn(tenant, t) for t in session.turns])
         job = self._submit(tenant, session, speakers, store_turns)
         self.sessions.clear(user_id)  # after the job is committed: a crash between keeps both (no loss)
         return job
@@ -53,7 +59,7 @@ class SessionReflection:
                     time_: str | None = None, speakers: list[str] | None = None, store_turns: bool = False) -> Job:
         """A whole finished session at once (e.g. importing history): reflected in the background."""
         user_id = scoped(tenant, user)
-        sid = session_id or f"{user_id}:session-{Memory.new_id()[:12]}"
+        sid = session_id or f"{user}:session-{Memory.new_id()[:12]}"
         fixed = [Turn(id=t.id or f"{sid}:{n}", session_id=sid, speaker=t.speaker, text=t.text, time=t.time)
                  for n, t in enumerate(turns)]
         return self._submit(tenant, Session(id=sid, user_id=user_id, turns=fixed, time=time_), speakers, store_turns)
@@ -97,3 +103,8 @@ class SessionReflection:
         return {"memories": [m.id for m in touched], "turn_memories": stored_turns,
                 "method": "llm" if self.llm is not None else "fallback (non-LLM topic segmentation)",
                 "speakers": speakers}
+
+
+def _unscoped_turn(tenant: str, turn: Turn) -> Turn:
+    return Turn(id=unscoped_id(tenant, turn.id), session_id=unscoped_id(tenant, turn.session_id),
+                speaker=turn.speaker, text=turn.text, time=turn.time)

@@ -23,7 +23,7 @@ from rmm.serve.config import ServeConfig
 from rmm.serve.locked_encoder import LockedEncoder
 from rmm.serve.pending import PendingSelection, SelectionStore
 from rmm.serve.records import RetrieveItem, RetrieveResult, ShownMemory
-from rmm.serve.tenants import reranker_key, scoped
+from rmm.serve.tenants import callers_error, reranker_key, scoped, unknown_user
 from rmm.types import Candidates, Memory, Selection
 
 __all__ = ["BatchRetriever"]
@@ -50,7 +50,7 @@ class BatchRetriever:
             if self.bank.store.has_user(scoped(item.tenant, item.user)):
                 live.append(i)
             else:
-                results[i] = UnknownUserError(f"unknown user {item.user!r} (no memories stored for this user)")
+                results[i] = unknown_user(item.user)
         if live:
             vectors = self.encoder.encode_queries([items[i].query for i in live])
             candidates = self._search(items, dict(zip(live, vectors)), results)
@@ -79,7 +79,7 @@ class BatchRetriever:
                 rows = self.bank.search_embeddings(search_q, user_id, k_max, queries=[items[i].query for i in positions])
             except UnknownUserError as exc:  # deleted since the batch began
                 for i in positions:
-                    results[i] = exc
+                    results[i] = callers_error(exc, items[i].tenant, items[i].user)
                 continue
             for i, row, vec in zip(positions, rows, q):
                 k = items[i].k
@@ -108,7 +108,7 @@ class BatchRetriever:
                 selections[i] = (selection, key)
         return selections
 
-    def _shown_texts(self, selections: dict[int, tuple[Selection, str]],
+    def _shown_texts(self, items: list[RetrieveItem], selections: dict[int, tuple[Selection, str]],
                      results: Results) -> dict[str, dict[str, Memory]]:
         """The shown memories' rows, read per user; drops the items whose user or memory is gone."""
         by_user: dict[str, set[str]] = defaultdict(set)
@@ -121,14 +121,14 @@ class BatchRetriever:
             except (UnknownUserError, UnknownMemoryError) as exc:  # deleted between search and now
                 for i, (selection, _) in list(selections.items()):
                     if selection.candidates.user_id == user_id:
-                        results[i] = exc
+                        results[i] = callers_error(exc, items[i].tenant, items[i].user)
                         del selections[i]
         return memories
 
     def _answer(self, items: list[RetrieveItem], selections: dict[int, tuple[Selection, str]],
                 results: Results) -> None:
         """Results for the selected items, their selections persisted first (all or none)."""
-        memories = self._shown_texts(selections, results)
+        memories = self._shown_texts(items, selections, results)
         now = time.time()
         expires = now + self.config.selection_ttl_s
         pending: list[PendingSelection] = []

@@ -7,14 +7,16 @@ ignored option). Answers that are exactly a service record (`ShownMemory`, `Retr
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from fastapi import Path
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from rmm.serve.jobs import Job
 from rmm.serve.records import RetrieveResult
-from rmm.serve.tenants import unscoped
+from rmm.serve.tenants import unscoped, unscoped_text
 from rmm.types import MEMORY_KINDS
 
 __all__ = [
@@ -24,7 +26,32 @@ __all__ = [
 ]
 
 USER_PATTERN = r"^[^/\x00-\x1f]{1,256}$"
-UserId = Annotated[str, Field(pattern=USER_PATTERN, description="a user id of your tenant (1-256 chars, no '/')")]
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_unicode(value: str) -> str:
+    """Refuse lone UTF-16 surrogates (JSON's `"\\ud800"`): Python accepts them in a `str`, but they
+    cannot be stored, encoded or answered, so they would fail deep inside with a codec message."""
+    found = _SURROGATE.search(value)
+    if found is not None:
+        raise PydanticCustomError("string_unicode", "contains a lone UTF-16 surrogate (\\u{code}) at character "
+                                  "{position}; send valid Unicode text",
+                                  {"code": f"{ord(found.group()):04x}", "position": found.start()})
+    return value
+
+
+def not_blank(value: str) -> str:
+    """Refuse text with nothing but whitespace (it would be encoded as if it said something)."""
+    if not value.strip():
+        raise PydanticCustomError("blank", "must contain some non-whitespace text")
+    return value
+
+
+# Every string of a request is one of these, so a bad character is refused naming its field.
+Text = Annotated[str, AfterValidator(valid_unicode)]
+NonBlank = Annotated[str, Field(min_length=1), AfterValidator(valid_unicode), AfterValidator(not_blank)]
+UserId = Annotated[str, Field(pattern=USER_PATTERN, description="a user id of your tenant (1-256 chars, no '/')"),
+                   AfterValidator(valid_unicode)]
 UserPath = Annotated[str, Path(pattern=USER_PATTERN, description="a user id of your tenant")]
 
 
@@ -34,12 +61,12 @@ class _Strict(BaseModel):
 
 # ---- memories -----------------------------------------------------------------------------------
 class MemoryIn(_Strict):
-    text: str = Field(min_length=1, description="what is embedded and shown to the LLM")
-    kind: str = Field("turn", description=f"one of {list(MEMORY_KINDS)}")
-    id: str | None = Field(None, min_length=1, max_length=256, description="default: a new random id")
-    refs: list[str] = Field(default_factory=list, description="dialogue turn ids this memory came from")
-    source_text: str = ""
-    time: str | None = None
+    text: NonBlank = Field(description="what is embedded and shown to the LLM")
+    kind: Text = Field("turn", description=f"one of {list(MEMORY_KINDS)}")
+    id: Text | None = Field(None, min_length=1, max_length=256, description="default: a new random id")
+    refs: list[Text] = Field(default_factory=list, description="dialogue turn ids this memory came from")
+    source_text: Text = ""
+    time: Text | None = None
 
 
 class AddMemoriesIn(_Strict):
@@ -93,10 +120,10 @@ class DeleteUserOut(BaseModel):
 
 # ---- sessions and reflection jobs ---------------------------------------------------------------
 class TurnIn(_Strict):
-    speaker: str = Field(min_length=1, max_length=256)
-    text: str = Field(min_length=1)
-    time: str | None = None
-    id: str | None = Field(None, description="for whole sessions only; default: <session id>:<position>")
+    speaker: NonBlank = Field(max_length=256)
+    text: NonBlank
+    time: Text | None = None
+    id: Text | None = Field(None, description="for whole sessions only; default: <session id>:<position>")
 
 
 class AddTurnsIn(_Strict):
@@ -112,15 +139,15 @@ class AddTurnsOut(BaseModel):
 
 
 class EndSessionIn(_Strict):
-    speakers: list[str] | None = Field(None, description="whose facts to extract (default: every speaker "
-                                                         "except the configured assistant names)")
+    speakers: list[Text] | None = Field(None, description="whose facts to extract (default: every speaker "
+                                                          "except the configured assistant names)")
     store_turns: bool = Field(False, description="also store each raw turn as a turn memory")
 
 
 class AddSessionIn(EndSessionIn):
     turns: list[TurnIn] = Field(min_length=1)
-    session_id: str | None = None
-    time: str | None = None
+    session_id: Text | None = None
+    time: Text | None = None
 
 
 class JobOut(BaseModel):
@@ -140,13 +167,13 @@ class JobOut(BaseModel):
     def of(cls, job: Job) -> JobOut:
         return cls(job_id=job.id, user=unscoped(job.user_id), kind=job.kind, status=job.status,
                    created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
-                   result=job.result, error=job.error)
+                   result=job.result, error=None if job.error is None else unscoped_text(job.tenant, job.error))
 
 
 # ---- retrieval and feedback ---------------------------------------------------------------------
 class QueryIn(_Strict):
     user: UserId
-    query: str = Field(min_length=1)
+    query: NonBlank
     k: int | None = Field(None, ge=1, description="candidates retrieved (default: the server's k)")
     m: int | None = Field(None, ge=1, description="memories shown (default: the server's m)")
     explore: bool | None = Field(None, description="Gumbel-sample the M (learning) or take the top-M")
@@ -163,9 +190,9 @@ class RetrieveOut(BaseModel):
 
 
 class FeedbackIn(_Strict):
-    selection_id: str = Field(min_length=1)
+    selection_id: Text = Field(min_length=1)
     cited: list[int] | None = Field(None, description="indices (0-based, as shown) of the memories the answer used")
-    text: str | None = Field(None, description="the LLM's raw reply; citations are parsed from it")
+    text: Text | None = Field(None, description="the LLM's raw reply; citations are parsed from it")
     no_cite: bool = Field(False, description="the answer used none of the shown memories")
     structured: bool = Field(False, description="`text` is the JSON {answer, citations} form")
 

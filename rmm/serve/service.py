@@ -8,8 +8,10 @@ tests and embedding code see one object:
 - batched retrieval: `rmm.serve.retrieval.BatchRetriever` (what the micro-batcher calls);
 - feedback → learner: `rmm.serve.feedback.FeedbackLearner`;
 - sessions and reflection jobs: `rmm.serve.reflection_jobs.SessionReflection`;
-- rerankers: one `rmm.policy.registry.LearnerRegistry` (a learner per bank, tenant or user),
-  checkpointed every `checkpoint_interval_s` by `rmm.serve.maintenance` and at `close()`.
+- rerankers: one `rmm.policy.registry.LearnerRegistry`, a learner per tenant by default (one
+  tenant's feedback never moves another's ranking), per user, or one shared by the whole bank
+  when `reranker_per: bank` says so; checkpointed every `checkpoint_interval_s` by
+  `rmm.serve.maintenance` and at `close()`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from rmm.memory.bank import EncoderLike, MemoryBank
 from rmm.memory.sessions import SessionLog
 from rmm.policy.learner import Learner, is_normalized_encoder
-from rmm.policy.registry import LearnerRegistry
+from rmm.policy.registry import SHARED, LearnerRegistry, checkpoint_exists
 from rmm.serve.config import ServeConfig
 from rmm.serve.feedback import FeedbackLearner
 from rmm.serve.jobs import Job
@@ -108,9 +110,21 @@ class RetrievalService:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the reflection worker (queued jobs resume) and the maintenance thread."""
+        """Load the configured tenants' rerankers (so `/metrics` shows their learning from the
+        start), then start the reflection worker (queued jobs resume) and the maintenance thread."""
+        self._load_rerankers()
         self.jobs.start()
         self.maintenance.start()
+
+    def _load_rerankers(self) -> None:
+        per = self.config.reranker_per
+        keys = [SHARED] if per == "bank" else self.api_keys.tenants() if per == "tenant" else []
+        for key in keys:
+            self.learners.get(key)
+        shared = self.config.bank_path / CHECKPOINT_DIR
+        if per != "bank" and checkpoint_exists(shared):
+            log.warning("%s holds a reranker shared by the whole bank, which reranker_per: %s does not use (each "
+                        "%s learns its own); set reranker_per: bank to keep ranking with it", shared, per, per)
 
     def close(self) -> None:
         """Stop background work, checkpoint every reranker, close the databases."""
@@ -192,14 +206,21 @@ class RetrievalService:
 
     # ---- introspection ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """What `/metrics` reports at scrape time (pending selections, jobs, learners)."""
+        """What `/metrics` reports at scrape time (pending selections, jobs, learners).
+
+        Learner figures are totals over the loaded rerankers: `/metrics` needs no key, so it names
+        no tenant and shows no tenant's own activity (each tenant sees its own in feedback answers).
+        """
         with self.learners.lock:
-            learners = {key or "bank": {"step": lr.stats.step, "records": lr.stats.records, "pending": lr.pending}
-                        for key, lr in self.learners.items()}
+            learners = [learner for _, learner in self.learners.items()]
+            steps = sum(learner.stats.step for learner in learners)
+            records = sum(learner.stats.records for learner in learners)
         return {
             "pending_selections": self.selections.count_pending(),
             "jobs": self.jobs.counts(),
-            "learners": learners,
+            "rerankers": len(learners),
+            "learner_step": steps,
+            "learner_records": records,
             "learner_updates": self.learner_updates,
             "encoder_query_calls": self.encoder.query_calls,
         }

@@ -2,14 +2,32 @@
 
 Every user id a tenant names is stored as `"<tenant>:<user>"` (tenant names cannot contain `:`),
 so two tenants' users can never collide and no code path can reach another tenant's rows by name.
+That scoped form is internal: nothing the API answers may show it, so ids made from it (session
+and turn ids) are handed out unscoped, and errors raised below the server (whose messages name
+scoped ids, files and other users) are retold in the caller's own terms here.
 Keys are kept only as digests, so a memory dump of the server does not leak them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rmm.errors import UnknownMemoryError, UnknownUserError
+from rmm.memory.store import DuplicateMemoryError
 from rmm.serve.config import AuthConfig, key_digest
 
-__all__ = ["ApiKeys", "reranker_key", "scoped", "unscoped"]
+__all__ = [
+    "ApiKeys",
+    "callers_error",
+    "callers_terms",
+    "reranker_key",
+    "scoped",
+    "unknown_user",
+    "unscoped",
+    "unscoped_id",
+    "unscoped_text",
+]
 
 
 def scoped(tenant: str, user: str) -> str:
@@ -20,6 +38,41 @@ def scoped(tenant: str, user: str) -> str:
 def unscoped(user_id: str) -> str:
     """The user id as its tenant named it."""
     return user_id.split(":", 1)[1]
+
+
+def unscoped_id(tenant: str, name: str) -> str:
+    """An id built from a scoped user id (`alpha:ana:live-…`) as the tenant sees it (`ana:live-…`)."""
+    prefix = scoped(tenant, "")
+    return name.removeprefix(prefix)
+
+
+def unscoped_text(tenant: str, text: str) -> str:
+    """A message with every scoped name of the tenant's written as the tenant's own."""
+    return text.replace(scoped(tenant, ""), "")
+
+
+def unknown_user(user: str) -> UnknownUserError:
+    """The one 404 for a user: it says nothing about other users or where the bank lives."""
+    return UnknownUserError(f"unknown user {user!r} (no memories stored for this user)")
+
+
+def callers_error(exc: Exception, tenant: str, user: str) -> Exception:
+    """`exc` retold for the caller: the store's unknown-user message lists other (possibly other
+    tenants') users and the bank's path, and its memory errors name the scoped user id."""
+    if isinstance(exc, UnknownUserError):
+        return unknown_user(user)
+    if isinstance(exc, UnknownMemoryError | DuplicateMemoryError):
+        return type(exc)(unscoped_text(tenant, str(exc)))
+    return exc
+
+
+@contextmanager
+def callers_terms(tenant: str, user: str) -> Iterator[None]:
+    """Re-raise the bank's user and memory errors in the caller's terms (`callers_error`)."""
+    try:
+        yield
+    except (UnknownUserError, UnknownMemoryError, DuplicateMemoryError) as exc:
+        raise callers_error(exc, tenant, user) from exc
 
 
 def reranker_key(per: str, tenant: str, user_id: str) -> str:
@@ -36,3 +89,7 @@ class ApiKeys:
     def tenant_for(self, key: str | None) -> str | None:
         """The tenant of `key`, or None for a missing or unknown key."""
         return self._tenants.get(key_digest(key)) if key else None
+
+    def tenants(self) -> list[str]:
+        """Every configured tenant, sorted."""
+        return sorted(set(self._tenants.values()))
