@@ -5,10 +5,14 @@ from __future__ import annotations
 import builtins
 import hashlib
 import re
+from collections.abc import Callable
 
 import torch
 
+from rmm.llm.base import LLM, Usage
+
 DIM = 64
+Reply = str | Callable[[str], str]
 
 
 class BagOfWordsEncoder:
@@ -38,3 +42,74 @@ def drive(monkeypatch, lines: list[str]) -> None:
             raise EOFError from None
 
     monkeypatch.setattr(builtins, "input", fake_input)
+
+
+class ScriptedGoalLLM(LLM):
+    """Replies per prompt kind from a script; the last reply of a kind repeats once the script runs out.
+
+    A reply is a string or a function of the prompt; `kind` reads the goal front end's system
+    prompts (a subclass reads another front end's)."""
+
+    def __init__(self, **script: list[Reply]) -> None:
+        super().__init__("scripted-goal")
+        self.script = {kind: list(replies) for kind, replies in script.items()}
+        self.kinds: list[str] = []
+        self.prompts: list[str] = []
+
+    @staticmethod
+    def kind(system: str) -> str:
+        if system.startswith("You plan"):
+            return "decompose"
+        if "verifiable unification" in system:
+            return "unify"
+        if system.startswith("You refine"):
+            return "refine"
+        return "answer"
+
+    def _generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0):
+        out = []
+        for conversation in batch:
+            kind, prompt = self.kind(conversation[0]["content"]), conversation[-1]["content"]
+            replies = self.script.get(kind) or ["(nothing scripted)"]
+            reply = replies.pop(0) if len(replies) > 1 else replies[0]
+            self.kinds.append(kind)
+            self.prompts.append(prompt)
+            out.append(reply(prompt) if callable(reply) else reply)
+        self._record(Usage(calls=len(batch), prompt_tokens=100, completion_tokens=20))
+        return out
+
+
+class ScriptedMemR3LLM(ScriptedGoalLLM):
+    """Replies per call kind (generate | answer) from a script; records each call's system prompt and schema."""
+
+    def __init__(self, **script: list[Reply]) -> None:
+        super().__init__(**script)
+        self.systems: list[str] = []
+        self.schemas: list[dict | None] = []
+
+    @staticmethod
+    def kind(system: str) -> str:
+        return "generate" if system.startswith("You are a memory agent") else "answer"
+
+    def _generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0):
+        self.systems += [conversation[0]["content"] for conversation in batch]
+        self.schemas += [json_schema] * len(batch)
+        return super()._generate(batch, json_schema=json_schema, max_tokens=max_tokens, temperature=temperature)
+
+
+# A user's memories for the front-end tests: facts a question can need, then unrelated errands.
+FACTS = {
+    "pet": "Ana adopted a golden retriever puppy named Biscuit",
+    "sister": "Ana's sister Clara is getting married in June",
+    "porto": "Clara moved to Porto in 2019 for her studies",
+    "cello": "Ana plays cello in a community orchestra",
+    "bread": "Ana bakes sourdough bread on Sundays",
+    "hike": "Ana hikes mountain trails every weekend",
+    "nurse": "Ana works as a nurse at the city hospital",
+    "novel": "Ana reads detective novels set in Tokyo",
+}
+FILLER = [f"Ana noted errand {word} today" for word in
+          ("apples", "plumber", "garage", "tickets", "passport", "laundry", "printer", "dentist", "library",
+           "curtains", "battery", "ceiling", "umbrella", "bicycle", "kitchen", "stamps", "blanket", "carpet",
+           "violin", "pillow", "marble", "lantern", "compass", "saddle", "trumpet", "anchor", "helmet", "rocket",
+           "feather", "mirror", "basket", "pencil", "candle", "jacket", "wallet", "bottle", "ladder", "hammer")]

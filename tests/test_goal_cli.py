@@ -1,4 +1,5 @@
-"""`rmm chat --frontend goal`, `rmm eval-qa --frontend goal` and `rmm eval-goal`, with a scripted LLM."""
+"""`rmm chat --frontend goal`, `rmm eval-qa --frontend goal` and `rmm eval-goal` (the old name of
+`rmm eval-controller`, still accepted), with a scripted LLM."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import rmm.encoders
 import rmm.llm
 from rmm.cli import main
 from rmm.data import load_locomo
-from rmm.eval.goal_recall import evaluate_goal_recall
+from rmm.eval.controller_recall import evaluate_controller_recall
 from rmm.frontends.goal import GoalConfig
 from rmm.llm.base import LLM, Usage
 from rmm.memory.bank import MemoryBank
@@ -132,14 +133,14 @@ def test_eval_goal_compares_recall_at_equal_budget(tiny_data_dir, tmp_path, caps
     assert report["llm_calls"] == 2 and 0 <= report["recall_goal"] <= 1 and report["config"]["budget"] == 60
 
 
-def test_evaluate_goal_recall_respects_the_budget(tiny_data_dir, tmp_path) -> None:
+def test_evaluate_controller_recall_respects_the_goal_budget(tiny_data_dir, tmp_path) -> None:
     dataset = load_locomo(tiny_data_dir / "locomo" / "locomo10.json")
     from rmm.eval.benchmark_bank import fill
 
     with MemoryBank(tmp_path / "bank", BagOfWordsEncoder(), device="cpu") as bank:
         fill(bank, dataset, "turn", progress=False)
         seen = []
-        report = evaluate_goal_recall(dataset, bank, OneHopLLM(), category=None, limit=4, k=6, m=4,
+        report = evaluate_controller_recall(dataset, bank, OneHopLLM(), category=None, limit=4, k=6, m=4,
                                       config=GoalConfig(budget=2), answer=True, progress=False,
                                       on_trace=lambda q, t: seen.append(q.id))
     assert report.n == 4 and len(seen) == 4 and report.category is None

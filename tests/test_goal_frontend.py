@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fakes import BagOfWordsEncoder
+from fakes import FACTS, FILLER, BagOfWordsEncoder, Reply, ScriptedGoalLLM
 from rich.console import Console
 
 from rmm.frontends.agent import Agent
@@ -25,62 +25,11 @@ from rmm.frontends.goal import (
     retrieval_query,
 )
 from rmm.frontends.trace import GoalTrace, render_trace
-from rmm.llm.base import LLM, Usage
+from rmm.llm.base import LLM
 from rmm.llm.simulated import SimulatedLLM
 from rmm.memory.bank import MemoryBank
 from rmm.policy.learner import LearnerConfig
 from rmm.types import Memory
-
-Reply = str | Callable[[str], str]
-
-
-class ScriptedGoalLLM(LLM):
-    """Replies per prompt kind from a script; the last reply of a kind repeats once the script runs out."""
-
-    def __init__(self, **script: list[Reply]) -> None:
-        super().__init__("scripted-goal")
-        self.script = {kind: list(replies) for kind, replies in script.items()}
-        self.kinds: list[str] = []
-        self.prompts: list[str] = []
-
-    @staticmethod
-    def kind(system: str) -> str:
-        if system.startswith("You plan"):
-            return "decompose"
-        if "verifiable unification" in system:
-            return "unify"
-        if system.startswith("You refine"):
-            return "refine"
-        return "answer"
-
-    def _generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0):
-        out = []
-        for conversation in batch:
-            kind, prompt = self.kind(conversation[0]["content"]), conversation[-1]["content"]
-            replies = self.script.get(kind) or ["(nothing scripted)"]
-            reply = replies.pop(0) if len(replies) > 1 else replies[0]
-            self.kinds.append(kind)
-            self.prompts.append(prompt)
-            out.append(reply(prompt) if callable(reply) else reply)
-        self._record(Usage(calls=len(batch), prompt_tokens=100, completion_tokens=20))
-        return out
-
-
-FACTS = {
-    "pet": "Ana adopted a golden retriever puppy named Biscuit",
-    "sister": "Ana's sister Clara is getting married in June",
-    "porto": "Clara moved to Porto in 2019 for her studies",
-    "cello": "Ana plays cello in a community orchestra",
-    "bread": "Ana bakes sourdough bread on Sundays",
-    "hike": "Ana hikes mountain trails every weekend",
-    "nurse": "Ana works as a nurse at the city hospital",
-    "novel": "Ana reads detective novels set in Tokyo",
-}
-FILLER = [f"Ana noted errand {word} today" for word in
-          ("apples", "plumber", "garage", "tickets", "passport", "laundry", "printer", "dentist", "library",
-           "curtains", "battery", "ceiling", "umbrella", "bicycle", "kitchen", "stamps", "blanket", "carpet",
-           "violin", "pillow", "marble", "lantern", "compass", "saddle", "trumpet", "anchor", "helmet", "rocket",
-           "feather", "mirror", "basket", "pencil", "candle", "jacket", "wallet", "bottle", "ladder", "hammer")]
 
 
 @pytest.fixture

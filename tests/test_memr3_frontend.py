@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import BagOfWordsEncoder
+from fakes import FACTS, FILLER, BagOfWordsEncoder, Reply, ScriptedMemR3LLM
 from rich.console import Console
-from test_goal_frontend import FACTS, FILLER, ScriptedGoalLLM
 
 from rmm.frontends.agent import Agent
 from rmm.frontends.memr3 import (
@@ -38,27 +37,8 @@ from rmm.policy.sampling import plackett_luce_logp
 from rmm.prompts.memr3_render import MEMR3_SCHEMA
 from rmm.types import Memory
 
-Reply = str | Callable[[str], str]
 QUESTION = "Which city does Ana's sister live in?"  # the direct search misses Porto: only a refined one finds it
 STUDIES = "Which city did Clara move to for her studies?"  # the direct search finds it
-
-
-class ScriptedMemR3LLM(ScriptedGoalLLM):
-    """Replies per call kind (generate | answer) from a script; records each call's system prompt and schema."""
-
-    def __init__(self, **script: list[Reply]) -> None:
-        super().__init__(**script)
-        self.systems: list[str] = []
-        self.schemas: list[dict | None] = []
-
-    @staticmethod
-    def kind(system: str) -> str:
-        return "generate" if system.startswith("You are a memory agent") else "answer"
-
-    def _generate(self, batch, *, json_schema=None, max_tokens=512, temperature=0.0):
-        self.systems += [conversation[0]["content"] for conversation in batch]
-        self.schemas += [json_schema] * len(batch)
-        return super()._generate(batch, json_schema=json_schema, max_tokens=max_tokens, temperature=temperature)
 
 
 @pytest.fixture

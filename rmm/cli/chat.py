@@ -1,5 +1,5 @@
 """`rmm chat`: a terminal conversation with the RMM agent (memories, citations, online reranker),
-directly or through the goal front end (GOAL-MEM)."""
+directly or through a query-side front end (GOAL-MEM or MemR³), whose trace is shown after each reply."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.markup import escape
 from rmm.cli import logs
 from rmm.cli.arguments import device, positive_float
 from rmm.cli.common import DEFAULT_RETRIEVER, add_k_m_options, add_verbose, console, llm_options, load_llm
-from rmm.cli.goal_options import GOAL_LLM_NOTE, add_goal_options, append_trace, goal_config
+from rmm.cli.frontend_options import add_frontend_options, append_trace, frontend_config
 from rmm.errors import RmmError
 
 __all__ = ["CHAT_LOG", "print_reply", "register", "run"]
@@ -26,10 +26,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--user", required=True)
     p.add_argument("--llm", required=True, help="openai:URL@MODEL | hf:PATH | vllm:PATH | simulated")
     p.add_argument("--encoder", default=DEFAULT_RETRIEVER, help="encoder preset or folder (must match the bank)")
-    p.add_argument("--frontend", default="direct", choices=("direct", "goal"),
-                   help="direct = one query per message; goal = GOAL-MEM goal decomposition, one query per "
-                        "subgoal, with a trace of every message (" + GOAL_LLM_NOTE + ")")
-    add_goal_options(p)
+    add_frontend_options(p)
     add_k_m_options(p)
     p.add_argument("--tau", type=positive_float, help="Gumbel temperature (default: the recipe's)")
     p.add_argument("--recipe", default="auto", choices=("auto", "paper", "normalized"),
@@ -62,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
         agent = Agent(bank, llm, k=args.k, m=args.m, tau=args.tau, recipe=args.recipe, learn=not args.no_learn,
                       structured=args.structured, per_user=args.per_user, store_turns=args.store_turns)
         try:
-            goal = _goal_frontend(agent, args) if args.frontend == "goal" else None
+            controller = _controller(agent, args)
             console.print(f"[bold]rmm chat[/bold] · user {args.user} · {llm.name} · bank {args.bank}\n"
                           "[dim]/end ends the session (prospective reflection) · /memories lists memories · "
                           f"/quit saves and exits · log: {escape(str(log_path))}[/dim]")
-            _converse(agent, goal, bank, args)
+            _converse(agent, controller, bank, args)
         finally:
             agent.close()
     finally:
@@ -77,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _converse(agent: Any, goal: Any, bank: Any, args: argparse.Namespace) -> None:
+def _converse(agent: Any, controller: Any, bank: Any, args: argparse.Namespace) -> None:
     """Read lines until /quit or end of input; commands start with a slash."""
     while True:
         try:
@@ -93,8 +90,8 @@ def _converse(agent: Any, goal: Any, bank: Any, args: argparse.Namespace) -> Non
             console.print(f"[green]session ended[/green]: {len(touched)} topic memories added or merged")
         elif line == "/memories":
             _print_memories(bank, args.user)
-        elif goal is not None:
-            _goal_turn(goal, args, line)
+        elif controller is not None:
+            _controller_turn(controller, args, line)
         else:
             response = agent.respond(args.user, line)
             print_reply(response.answer, response.cited)
@@ -102,20 +99,21 @@ def _converse(agent: Any, goal: Any, bank: Any, args: argparse.Namespace) -> Non
                 console.print("  [dim](no parseable citation: the reranker skipped this answer)[/dim]")
 
 
-def _goal_frontend(agent: Any, args: argparse.Namespace) -> Any:
-    from rmm.frontends.goal import GoalFrontend
+def _controller(agent: Any, args: argparse.Namespace) -> Any:
+    """The GOAL-MEM or MemR³ front end over the agent, or None for direct chat."""
+    config = frontend_config(args)
+    if config is None:
+        return None
+    from rmm.frontends.controllers import open_controller
 
-    try:
-        return GoalFrontend(agent, goal_config(args))
-    except ValueError as error:
-        raise RmmError(str(error)) from error
+    return open_controller(agent, config)
 
 
-def _goal_turn(goal: Any, args: argparse.Namespace, line: str) -> None:
-    """One chat message through the goal front end: the answer, what it cites, and the trace."""
+def _controller_turn(controller: Any, args: argparse.Namespace, line: str) -> None:
+    """One chat message through a front end: the answer, what it cites, and the trace."""
     from rmm.frontends.trace import print_trace
 
-    response = goal.respond(args.user, line)
+    response = controller.respond(args.user, line)
     print_reply(response.answer, response.cited)
     print_trace(response.trace, console, show_memories=args.verbose > 0)
     append_trace(args.trace_json, response.trace.to_json())

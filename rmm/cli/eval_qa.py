@@ -1,9 +1,13 @@
-"""`rmm eval-qa`: benchmark questions answered through the agent, judged for accuracy and F1, with
-citation precision and the recall of what was shown."""
+"""`rmm eval-qa`: benchmark questions answered through the agent (directly, or through the GOAL-MEM or
+MemR³ front end), judged for accuracy and F1, with citation precision and the recall of what was shown.
+
+LoCoMo is read without the 12 repeated questions MemR³ (App. C.3) found (`load_locomo(dedup=True)`)
+unless `--no-dedup`; `eval-controller` reads it the same way."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from rmm.cli.arguments import positive_int
@@ -18,11 +22,11 @@ from rmm.cli.common import (
     load_llm,
     write_json,
 )
-from rmm.cli.goal_options import GOAL_LLM_NOTE, add_goal_options, append_trace, goal_config
+from rmm.cli.frontend_options import add_frontend_options, append_trace, frontend_config, refuse_simulated
 from rmm.cli.tables import Figures, print_figures
 from rmm.errors import RmmError
 
-__all__ = ["qa_figures", "register", "run"]
+__all__ = ["add_dedup_option", "load_questions", "qa_figures", "register", "run"]
 
 _KEYS = {"judge": "judge", "F1": "f1", "cited precision": "cited_precision", "shown recall": "shown_recall"}
 
@@ -38,9 +42,9 @@ def register(subparsers: Any) -> None:
     add_k_m_options(p)
     p.add_argument("--no-learn", action="store_true",
                    help="show the plain top-M and update nothing (default: learn online, Gumbel-sampled M)")
-    p.add_argument("--frontend", default="direct", choices=("direct", "goal"),
-                   help="direct = the question as one query; goal = GOAL-MEM goal decomposition (needs a real LLM)")
-    add_goal_options(p)
+    add_frontend_options(p)
+    p.add_argument("--show-trace", action="store_true", help="goal / memr3 front end: print each question's trace")
+    add_dedup_option(p)
     p.add_argument("--json", help="write the numbers as JSON")
     add_common_options(p)
     p.set_defaults(func=run)
@@ -50,10 +54,9 @@ def run(args: argparse.Namespace) -> int:
     from rmm.eval.benchmark_bank import open_retriever
     from rmm.eval.qa import evaluate_qa
 
-    dataset = load_benchmark(args)
+    dataset = load_questions(args)
     llm = load_llm(args.llm, **llm_options(args))
-    if args.frontend == "goal" and llm.name.startswith("simulated"):
-        raise RmmError(GOAL_LLM_NOTE)
+    refuse_simulated(args, llm)
     judge = load_llm(args.judge_llm) if args.judge_llm else llm
     opened = open_retriever(args.retriever, dataset, args.granularity, cache=args.cache_dir, device=args.device,
                             batch_size=args.batch_size, llm=llm if args.granularity == "topic" and
@@ -62,21 +65,46 @@ def run(args: argparse.Namespace) -> int:
         raise RmmError(f"the agent's reranker needs a dense retriever; {args.retriever!r} has none")
     report = evaluate_qa(dataset, opened.retriever, llm, judge, granularity=args.granularity, limit=args.limit,
                          k=args.k, m=args.m, frontend=args.frontend, learn=not args.no_learn,
-                         goal_config=goal_config(args) if args.frontend == "goal" else None)
-    for row in report.rows:
-        if "trace" in row:
-            append_trace(args.trace_json, row["trace"])
+                         frontend_config=frontend_config(args), on_trace=lambda trace: _trace(args, trace))
     print_figures(qa_figures(report), console)
     write_json(args.json, report.to_json())
     return 0
 
 
+def _trace(args: argparse.Namespace, trace: Any) -> None:
+    if args.show_trace:
+        from rmm.frontends.trace import print_trace
+
+        print_trace(trace, console)
+    append_trace(args.trace_json, trace.to_json())
+
+
+def add_dedup_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-dedup", action="store_true",
+                   help="LoCoMo: keep the 12 repeated questions (default: drop them, as MemR³ App. C.3 does; "
+                        "category counts 282 / 321 / 96 / 830 / 445)")
+
+
+def load_questions(args: argparse.Namespace) -> Any:
+    """The benchmark `--dataset` names; LoCoMo without its repeated questions unless --no-dedup."""
+    dataset = load_benchmark(args)  # finds (or downloads) the file, with the usual one-line errors
+    if dataset.name != "locomo" or args.no_dedup:
+        return dataset
+    from rmm.data import DATASETS, load_locomo
+
+    _, _, explicit = args.dataset.partition(":")
+    path = Path(explicit).expanduser() if explicit else DATASETS["locomo"].path(args.data_dir)
+    return load_locomo(path, dedup=True)
+
+
 def qa_figures(report: Any) -> Figures:
     """Per category: judge accuracy and F1 (real generators), cited precision and shown recall."""
+    from rmm.frontends.controllers import CONTROLLERS
+
     simulated = report.simulated
     columns = ["cited precision", "shown recall"] if simulated else ["judge", "F1", "cited precision", "shown recall"]
     figures = Figures(title=f"{report.dataset} QA through the agent · {report.llm} · {report.granularity} memories"
-                            + (" · goal front end (GOAL-MEM)" if report.frontend == "goal" else ""),
+                            + ("" if report.frontend == "direct" else f" · {CONTROLLERS[report.frontend].label} front end"),
                       caption="simulated generator: no answers, so no judge or F1 — citation and recall figures only"
                               if simulated else "judge = LLM-judge accuracy (%)",
                       columns=["category", "n", *columns])

@@ -1,122 +1,15 @@
-"""Does goal decomposition retrieve more of the gold evidence than one direct query? (GOAL-MEM, retrieval side)
-
-For each question (LoCoMo category 1, multi-hop, by default) the goal front end runs its search
-and we take the union of every memory its subgoal queries retrieved; the direct baseline is a
-single query with the question text through the same retriever → reranker, retrieving the same
-number of distinct memories (equal budget per question). Both are scored by the fraction of the
-gold evidence turns they cover. No answer is judged: the final answer does not change what was
-retrieved, so it is skipped unless asked for (`answer=True`). Learning is off, so every question
-sees the same (untrained or checkpointed) reranker for both arms.
-"""
+"""Deprecated path: the comparison now covers every controller (GOAL-MEM, MemR³) and lives in
+`rmm.eval.controller_recall`; these names import from here, with a DeprecationWarning, until rmm 0.3."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+import warnings
 
-from tqdm.auto import tqdm
-
-from rmm.eval.retrieval import GoldScorer
-from rmm.frontends.agent import Agent
-from rmm.frontends.goal import GoalConfig, GoalFrontend
-from rmm.frontends.trace import GoalTrace
-from rmm.memory.sessions import SessionLog
-from rmm.policy.retrieve import RerankedRetriever
-from rmm.types import Dataset, Question
-
-if TYPE_CHECKING:
-    from rmm.llm.base import LLM
-    from rmm.memory.bank import MemoryBank
+from rmm.eval.controller_recall import ControllerRecallReport as GoalRecallReport
+from rmm.eval.controller_recall import evaluate_controller_recall as evaluate_goal_recall
 
 __all__ = ["GoalRecallReport", "evaluate_goal_recall"]
 
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class GoalRecallReport:
-    dataset: str
-    llm: str
-    category: int | None
-    n: int
-    recall_goal: float  # mean fraction of gold turns covered by the front end's union of memories
-    recall_direct: float  # … by one direct query with the same number of memories
-    memories_per_question: float
-    grounded: float  # fraction of questions whose search grounded the goal
-    llm_calls: float  # per question
-    prompt_tokens: float
-    completion_tokens: float
-    seconds: float  # LLM seconds per question
-    config: dict[str, Any] = field(default_factory=dict)
-    rows: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def evaluate_goal_recall(dataset: Dataset, bank: MemoryBank, llm: LLM, *, category: int | None = 1,
-                         limit: int | None = None, k: int = 20, m: int = 5, config: GoalConfig | None = None,
-                         answer: bool = False, progress: bool = True,
-                         on_trace: Callable[[Question, GoalTrace], None] | None = None) -> GoalRecallReport:
-    """Gold-evidence recall of the front end's retrieved union vs a direct query at equal budget."""
-    config = replace(config or GoalConfig(), answer=answer)
-    scorer = GoldScorer.for_dataset(dataset, "turn")
-    questions = [q for q in dataset.questions
-                 if (category is None or q.category == category) and scorer.gold(q) and not q.abstention]
-    questions = questions[: limit or None]
-    sessions = SessionLog(":memory:")
-    agent = Agent(bank, llm, k=k, m=m, learn=False, sessions=sessions, checkpoint_every=0)
-    frontend = GoalFrontend(agent, config)
-    rows: list[dict[str, Any]] = []
-    try:
-        for q in tqdm(questions, desc="goal front end", unit="q", disable=not progress):
-            response = frontend.respond(q.user_id, q.text, remember=False)
-            trace = response.trace
-            union = trace.retrieved
-            direct = _direct(agent, q, len(union))
-            gold = scorer.gold(q)
-            rows.append({
-                "id": q.id, "question": q.text, "gold_answer": q.answer, "gold_turns": sorted(gold),
-                "n_memories": len(union), "recall_goal": _recall(bank, scorer, q, union, gold),
-                "recall_direct": _recall(bank, scorer, q, direct, gold), "goal_ids": union, "direct_ids": direct,
-                "grounded": response.grounded, "answer": response.answer or None, "outcome": trace.outcome,
-                "llm_calls": trace.usage.calls, "prompt_tokens": trace.usage.prompt_tokens,
-                "completion_tokens": trace.usage.completion_tokens, "seconds": trace.usage.seconds,
-                "trace": trace.to_json(),
-            })
-            if on_trace is not None:
-                on_trace(q, trace)
-    finally:
-        sessions.close()
-    return _summarize(dataset, llm, category, config, k, m, rows)
-
-
-def _direct(agent: Agent, question: Question, n: int) -> list[str]:
-    """The top-n distinct memories of one query with the question itself (the reranker's order)."""
-    if n == 0 or not agent.bank.store.has_user(question.user_id):
-        return []
-    retriever = RerankedRetriever(agent.bank, agent.learner(question.user_id).reranker, k=max(agent.k, n),
-                                  m=min(agent.m, n), tau=agent.tau)
-    (found,) = retriever.search([question.text], question.user_id, n)
-    return list(dict.fromkeys(found.memory_ids))[:n]
-
-
-def _recall(bank: MemoryBank, scorer: GoldScorer, question: Question, ids: list[str], gold: set[str]) -> float:
-    if not gold:
-        return 0.0
-    covered = set().union(*(scorer.units(m.refs) for m in bank.get(question.user_id, ids))) if ids else set()
-    return len(covered & gold) / len(gold)
-
-
-def _summarize(dataset: Dataset, llm: LLM, category: int | None, config: GoalConfig, k: int, m: int,
-               rows: list[dict[str, Any]]) -> GoalRecallReport:
-    def mean(key: str) -> float:
-        return sum(float(r[key]) for r in rows) / len(rows) if rows else 0.0
-
-    return GoalRecallReport(
-        dataset=dataset.name, llm=llm.name, category=category, n=len(rows), recall_goal=mean("recall_goal"),
-        recall_direct=mean("recall_direct"), memories_per_question=mean("n_memories"), grounded=mean("grounded"),
-        llm_calls=mean("llm_calls"), prompt_tokens=mean("prompt_tokens"), completion_tokens=mean("completion_tokens"),
-        seconds=mean("seconds"), config={**asdict(config), "k": k, "m": m}, rows=rows)
+warnings.warn("rmm.eval.goal_recall moved to rmm.eval.controller_recall (GoalRecallReport → ControllerRecallReport, "
+              "evaluate_goal_recall → evaluate_controller_recall); the old path will be removed in rmm 0.3",
+              DeprecationWarning, stacklevel=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,12 +13,13 @@ from tqdm.auto import tqdm
 
 from rmm.eval.retrieval import SEPARATE_CATEGORIES, GoldScorer
 from rmm.frontends.agent import Agent
+from rmm.frontends.controllers import CONTROLLERS, ControllerConfig, controller_name, open_controller
 from rmm.llm.simulated import SimulatedLLM, gold_evidence_oracle
 from rmm.memory.sessions import SessionLog
 from rmm.types import Dataset
 
 if TYPE_CHECKING:
-    from rmm.frontends.goal import GoalConfig
+    from rmm.frontends.trace import FrontendTrace
     from rmm.llm.base import LLM
     from rmm.memory.bank import MemoryBank
 
@@ -69,8 +71,8 @@ class QAReport:
 
 def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None, *, granularity: str = "turn",
                 limit: int | None = None, k: int = 20, m: int = 5, progress: bool = True,
-                judge_batch: int = 16, frontend: str = "direct", goal_config: GoalConfig | None = None,
-                learn: bool = True) -> QAReport:
+                judge_batch: int = 16, frontend: str = "direct", frontend_config: ControllerConfig | None = None,
+                learn: bool = True, on_trace: Callable[[FrontendTrace], None] | None = None) -> QAReport:
     """Answer each question through the agent, then judge and score per category.
 
     `learn=True` is the paper's online setting (Gumbel-sampled M, reranker updated from the
@@ -78,11 +80,16 @@ def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None,
 
     The bank's sessions are the dialogue so far; questions are not dialogue, so they are not
     appended to any session. Categories the benchmark reports separately stay out of `overall`.
-    `frontend="goal"` answers through GOAL-MEM goal decomposition (`rmm.frontends.goal`, with
-    `goal_config`); each row then carries the question's trace.
+    `frontend="goal"` answers through GOAL-MEM goal decomposition (`rmm.frontends.goal`),
+    `frontend="memr3"` through MemR³'s retrieve / reflect / answer loop (`rmm.frontends.memr3`), each
+    with `frontend_config` (default: the paper's); each row then carries the question's trace, which
+    `on_trace` also receives as it comes.
     """
-    if frontend not in ("direct", "goal"):
-        raise ValueError(f"frontend must be 'direct' or 'goal', got {frontend!r}")
+    if frontend != "direct" and frontend not in CONTROLLERS:
+        raise ValueError(f"frontend must be 'direct', {', '.join(map(repr, CONTROLLERS))}, got {frontend!r}")
+    if frontend_config is not None and controller_name(frontend_config) != frontend:
+        raise ValueError(f"a {type(frontend_config).__name__} configures the {controller_name(frontend_config)} "
+                         f"front end, not {frontend!r}")
     simulated = isinstance(llm, SimulatedLLM)
     questions = [q for q in dataset.questions if q.answer and not q.abstention][: limit or None]
     sessions = SessionLog(":memory:")
@@ -90,10 +97,8 @@ def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None,
         llm.citer.reset()  # it cites the shown memories that hit gold evidence; every evaluation draws alike
     agent = Agent(bank, llm, k=k, m=m, learn=learn, sessions=sessions, checkpoint_every=0)
     respond = agent.respond
-    if frontend == "goal":
-        from rmm.frontends.goal import GoalFrontend
-
-        respond = GoalFrontend(agent, goal_config).respond
+    if frontend != "direct":
+        respond = open_controller(agent, frontend_config or CONTROLLERS[frontend].config()).respond
     scorer = GoldScorer.for_dataset(dataset, "turn")
     rows: list[dict[str, Any]] = []
     for q in tqdm(questions, desc="answering", unit="q", disable=not progress):
@@ -111,8 +116,10 @@ def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None,
             "shown_recall": len(shown_units & gold) / len(gold) if gold else None,
             "judge": None,
         })
-        if frontend == "goal":
+        if frontend != "direct":
             rows[-1]["trace"] = response.trace.to_json()
+            if on_trace is not None:
+                on_trace(response.trace)
     if judge is not None and not simulated:
         _judge(rows, judge, judge_batch)
     learner = agent.learner(questions[0].user_id) if questions else None

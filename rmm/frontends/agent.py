@@ -100,7 +100,7 @@ class Agent:
         feedback = reflect_citations(raw, selection, self.learner(user), structured=self.structured, learn=self.learn)
         if remember:
             self.sessions.append(user, [(user, query), (ASSISTANT, feedback.citation.answer)])
-        self._maybe_checkpoint(user)
+        self.checkpoint_if_due(user)
         cited = [shown[i] for i in feedback.citation.cited or []]
         return Response(feedback.citation.answer, cited, shown, selection, raw, feedback)
 
@@ -149,8 +149,10 @@ class Agent:
         self.save()
         self.sessions.close()
 
+    def checkpoint_if_due(self, user: str) -> None:
+        """Save the user's reranker once `checkpoint_every` rewarded selections have come in since the
+        last save — one count per learner, whichever front end (direct, goal, MemR³) they came through."""
+        self.learners.maybe_save(self._key(user))
+
     def _key(self, user: str) -> str:
         return user if self.per_user else SHARED
-
-    def _maybe_checkpoint(self, user: str) -> None:
-        self.learners.maybe_save(self._key(user))

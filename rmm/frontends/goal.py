@@ -64,7 +64,6 @@ from rmm.frontends.trace import (
     UnifyRecord,
 )
 from rmm.policy.citations import parse_citations
-from rmm.policy.registry import SHARED
 from rmm.policy.retrieve import RerankedRetriever
 from rmm.prompts import (
     Decomposition,
@@ -215,7 +214,7 @@ class GoalFrontend:
             from rmm.frontends.agent import ASSISTANT
 
             self.agent.sessions.append(user, [(user, query), (ASSISTANT, answer)])
-        self._maybe_checkpoint(user)
+        self.agent.checkpoint_if_due(user)
         trace = q.trace
         trace.answer, trace.cited, trace.answer_facts = answer, cited, facts
         trace.retrieved = list(q.memories)
@@ -497,11 +496,6 @@ class GoalFrontend:
                  call.completion_tokens, call.seconds)
         log.debug("goal %s output: %r", step, raw[:300])
         return raw
-
-    def _maybe_checkpoint(self, user: str) -> None:
-        """Save the user's reranker every `checkpoint_every` rewarded selections, through the agent's
-        registry (one count per learner, whichever front end the selections came through)."""
-        self.agent.learners.maybe_save(user if self.agent.per_user else SHARED)
 
 
 # ---- NL-Logic helpers --------------------------------------------------------------------------------

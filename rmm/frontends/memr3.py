@@ -211,7 +211,7 @@ class MemR3Frontend:
             from rmm.frontends.agent import ASSISTANT
 
             self.agent.sessions.append(user, [(user, query), (ASSISTANT, answer)])
-        self.agent._maybe_checkpoint(user)  # the agent's checkpoint cadence, shared by every front end
+        self.agent.checkpoint_if_due(user)  # the agent's checkpoint cadence, shared by every front end
         trace = q.trace
         trace.answer, trace.cited, trace.draft = answer, cited, q.state.draft
         trace.evidence, trace.retrieved = list(q.state.evidence), list(q.state.retrieved)

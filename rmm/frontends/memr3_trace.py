@@ -7,25 +7,24 @@ reasoning or draft), the retrieval the iteration triggered with its rewards; the
 answer, the evidence it cited, and every LLM call with its tokens and seconds.
 `MemR3Trace.from_json(trace.to_json())` gives the same trace back.
 
-The records shared with the goal front end's traces are reused from `rmm.frontends.trace`:
-`LLMCall` (MemR³ has one loop, so `breadth` is always 0, `depth` is the iteration and -1 the
-final answer) and `QueryRecord` (`subgoal` holds the refinement Δq, `query` the text searched,
-q ⊕ Δq; every id is new, the mask sees to that).
+What every front end's trace shares (question, ending, memories, LLM calls, usage, JSON) comes from
+`rmm.frontends.trace.FrontendTrace`, with its records: `LLMCall` (MemR³ has one loop, so
+`breadth` is always 0, `depth` is the iteration and -1 the final answer) and `QueryRecord`
+(`subgoal` holds the refinement Δq, `query` the text searched, q ⊕ Δq; every id is new, the mask
+sees to that).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Console
 from rich.markup import escape
 from rich.tree import Tree
 
-from rmm.frontends.trace import LLMCall, QueryRecord, _short
-from rmm.llm.base import Usage
+from rmm.frontends.trace import FrontendTrace, QueryRecord, memory_lines, shorten
 
-__all__ = ["EvidenceRecord", "IterationRecord", "MemR3Trace", "print_memr3_trace", "render_memr3_trace"]
+__all__ = ["EvidenceRecord", "IterationRecord", "MemR3Trace", "render_memr3_trace"]
 
 
 @dataclass
@@ -52,32 +51,18 @@ class IterationRecord:
 
 
 @dataclass
-class MemR3Trace:
-    question: str
-    user: str
+class MemR3Trace(FrontendTrace):
+    """MemR³'s loop for one question; `outcome` is answered | budget | no-memories, `retrieved` is
+    M^ret in retrieval order (handle n = position n) and `cited` the memories behind the cited evidence."""
+
     n_max: int = 0
     n_chk: int = 0
     n_cap: int = 0
     start: QueryRecord | None = None  # start → retrieve, with the question alone
     iterations: list[IterationRecord] = field(default_factory=list)
-    outcome: str = ""  # answered | budget | no-memories
-    stop_reason: str = ""
-    answer: str = ""
     draft: str = ""  # the draft the final answer was given
     evidence: list[EvidenceRecord] = field(default_factory=list)  # what the final answer saw
     cited_evidence: list[int] = field(default_factory=list)  # indices into `evidence`
-    cited: list[str] = field(default_factory=list)  # memory ids behind the cited evidence
-    retrieved: list[str] = field(default_factory=list)  # M^ret, in retrieval order (handle n = position n)
-    memories: dict[str, str] = field(default_factory=dict)  # id → text, for reading the trace
-    calls: list[LLMCall] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def usage(self) -> Usage:
-        total = Usage()
-        for call in self.calls:
-            total.add(Usage(1, call.prompt_tokens, call.completion_tokens, call.seconds))
-        return total
 
     @property
     def queries(self) -> list[QueryRecord]:
@@ -85,17 +70,16 @@ class MemR3Trace:
         first = [self.start] if self.start is not None else []
         return first + [i.retrieval for i in self.iterations if i.retrieval is not None]
 
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "usage": asdict(self.usage)}
-
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> MemR3Trace:
+    def _records(cls, data: dict[str, Any]) -> dict[str, Any]:
         start = data.get("start")
-        return cls(**{**{k: v for k, v in data.items() if k != "usage"},
-                      "start": QueryRecord(**start) if start else None,
-                      "iterations": [_iteration(i) for i in data.get("iterations", [])],
-                      "evidence": [EvidenceRecord(**e) for e in data.get("evidence", [])],
-                      "calls": [LLMCall(**c) for c in data.get("calls", [])]})
+        return {**data, "start": QueryRecord(**start) if start else None,
+                "iterations": [_iteration(i) for i in data.get("iterations", [])],
+                "evidence": [EvidenceRecord(**e) for e in data.get("evidence", [])]}
+
+    def render(self, *, show_memories: bool = True) -> Tree:
+        return render_memr3_trace(self, show_memories=show_memories)
+
 
 def _iteration(data: dict[str, Any]) -> IterationRecord:
     retrieval = data.get("retrieval")
@@ -106,28 +90,23 @@ def _iteration(data: dict[str, Any]) -> IterationRecord:
 # -- the readable view ------------------------------------------------------------------------------
 def _retrieval(parent: Tree, record: QueryRecord, trace: MemR3Trace, show_memories: bool) -> None:
     reward = "" if record.reward is None else "  reward " + " ".join(f"{r:+.0f}" for r in record.reward)
-    node = parent.add(f"[magenta]retrieve[/magenta] {_short(record.query, 90)}  "
+    node = parent.add(f"[magenta]retrieve[/magenta] {shorten(record.query, 90)}  "
                       f"[dim]{len(record.memory_ids)} new memories{reward}[/dim]")
     if show_memories:
-        for memory_id in record.memory_ids:
-            node.add(f"[dim]M{trace.retrieved.index(memory_id) + 1} {escape(memory_id)}[/dim] "
-                     f"{_short(trace.memories.get(memory_id, ''), 90)}")
+        memory_lines(node, record.memory_ids, trace.memories,
+                     lambda memory_id: f"M{trace.retrieved.index(memory_id) + 1} {memory_id}")
 
 
 def _evidence(parent: Tree, evidence: list[EvidenceRecord], trace: MemR3Trace) -> None:
     for e in evidence:
         handles = ", ".join(f"M{trace.retrieved.index(i) + 1}" for i in e.memories if i in trace.retrieved)
-        parent.add(f"[green]•[/green] {_short(e.text, 100)}" + (f" [dim][{escape(handles)}][/dim]" if handles else ""))
+        parent.add(f"[green]•[/green] {shorten(e.text, 100)}" + (f" [dim][{escape(handles)}][/dim]" if handles else ""))
 
 
 def render_memr3_trace(trace: MemR3Trace, *, show_memories: bool = True) -> Tree:
     """The question's loop as a tree: start retrieval → iterations (decision, evidence, gaps, retrieval) → answer."""
-    usage = trace.usage
-    ending = f"{trace.outcome} ({trace.stop_reason})" if trace.stop_reason else trace.outcome
-    facts = [f"user {trace.user}", ending, f"{usage.calls} LLM calls",
-             f"{usage.prompt_tokens}+{usage.completion_tokens} tokens", f"{trace.seconds:.1f}s",
-             f"{len(trace.retrieved)} memories", f"n_max {trace.n_max}, n_chk {trace.n_chk}, n_cap {trace.n_cap}"]
-    root = Tree(f"[bold]{_short(trace.question)}[/bold]  [dim]{escape(' · '.join(facts))}[/dim]")
+    root = trace._header(f"{len(trace.retrieved)} memories",
+                         f"n_max {trace.n_max}, n_chk {trace.n_chk}, n_cap {trace.n_cap}")
     if trace.start is not None:
         _retrieval(root, trace.start, trace, show_memories)
     for it in trace.iterations:
@@ -135,24 +114,20 @@ def render_memr3_trace(trace: MemR3Trace, *, show_memories: bool = True) -> Tree
         node = root.add(f"[bold cyan]iteration {it.iteration}[/bold cyan] [dim]directive {escape(it.directive)} · "
                         f"LLM {escape(str(it.decision))} →[/dim] [bold]{escape(it.action)}[/bold]{override}")
         if it.error:
-            node.add(f"[red]unreadable:[/red] {_short(it.error)}")
+            node.add(f"[red]unreadable:[/red] {shorten(it.error)}")
         evidence = node.add(f"evidence ({len(it.evidence)})")
         _evidence(evidence, it.evidence, trace)
-        node.add("gaps: " + (_short("; ".join(it.gaps)) if it.gaps else "none"))
+        node.add("gaps: " + (shorten("; ".join(it.gaps)) if it.gaps else "none"))
         for label, value in (("query", it.retrieval_query), ("reasoning", it.reasoning), ("draft", it.draft)):
             if value:
-                node.add(f"{label}: {_short(value)}")
+                node.add(f"{label}: {shorten(value)}")
         if it.retrieval is not None:
             _retrieval(node, it.retrieval, trace, show_memories)
-    answer = root.add(f"[bold]answer:[/bold] {_short(trace.answer)}" + (f"  [dim]draft: {_short(trace.draft, 60)}[/dim]"
-                                                                          if trace.draft else ""))
+    draft = f"  [dim]draft: {shorten(trace.draft, 60)}[/dim]" if trace.draft else ""
+    answer = root.add(f"[bold]answer:[/bold] {shorten(trace.answer)}{draft}")
     for index in trace.cited_evidence:
         if 0 <= index < len(trace.evidence):
             cited = trace.evidence[index]
-            answer.add(f"[dim]cited evidence [{index}][/dim] {_short(cited.text, 90)} "
+            answer.add(f"[dim]cited evidence [{index}][/dim] {shorten(cited.text, 90)} "
                        f"[dim]{escape(', '.join(cited.memories))}[/dim]")
     return root
-
-
-def print_memr3_trace(trace: MemR3Trace, console: Console | None = None, *, show_memories: bool = True) -> None:
-    (console or Console()).print(render_memr3_trace(trace, show_memories=show_memories), highlight=False)

@@ -1,0 +1,102 @@
+"""`rmm eval-controller` (alias `eval-goal`, its name until 0.2): gold-evidence recall of a controller's
+memories (GOAL-MEM or MemR³) against one direct query with the same number of memories, with the
+LLM cost per question."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from rich.markup import escape
+
+from rmm.cli import common
+from rmm.cli.arguments import positive_int
+from rmm.cli.eval_qa import add_dedup_option, load_questions
+from rmm.cli.frontend_options import add_frontend_options, append_trace, frontend_config, refuse_simulated
+from rmm.cli.tables import Figures, print_figures
+from rmm.errors import RmmError
+
+__all__ = ["controller_figures", "register", "run"]
+
+log = logging.getLogger(__name__)
+
+OLD_NAME = "eval-goal"
+
+
+def register(subparsers: Any) -> None:
+    _register(subparsers, "eval-controller", "controller retrieval (GOAL-MEM or MemR³): gold-evidence recall of the "
+                                             "memories the controller retrieved vs one direct query with the same "
+                                             "number of memories")
+    _register(subparsers, OLD_NAME, "the old name of eval-controller (same options, --frontend goal by default), "
+                                    "kept as an alias until rmm 0.3")
+
+
+def _register(subparsers: Any, name: str, text: str) -> None:
+    """The command under `name`; the alias gets its own parser so that its errors name what was typed."""
+    p = subparsers.add_parser(name, help=text)
+    p.add_argument("--dataset", default="locomo")
+    p.add_argument("--category", type=positive_int, default=1, help="question category (LoCoMo 1 = multi-hop)")
+    p.add_argument("--llm", required=True, help="hf:PATH | openai:URL@MODEL | vllm:PATH (the simulated LLM "
+                                                "cannot drive a controller)")
+    p.add_argument("--retriever", default=common.DEFAULT_RETRIEVER,
+                   help="dense encoder preset or folder (turn memories)")
+    p.add_argument("--limit", type=positive_int, help="at most N questions (in dataset order)")
+    common.add_k_m_options(p, "candidates per query", "memories selected per GOAL-MEM subgoal query (at most K; "
+                                                      "MemR³ shows --n-chk per retrieval)")
+    add_frontend_options(p, direct=False)
+    add_dedup_option(p)
+    p.add_argument("--answer", action="store_true", help="also write the final answer (one more call per question)")
+    p.add_argument("--show-trace", action="store_true", help="print each question's trace")
+    p.add_argument("--json", help="write the numbers, per-question rows and traces as JSON")
+    common.add_common_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rmm.eval.benchmark_bank import open_retriever
+    from rmm.eval.controller_recall import evaluate_controller_recall
+    from rmm.frontends.trace import print_trace
+
+    if args.command == OLD_NAME:
+        log.warning("`rmm %s` is now `rmm eval-controller`; the old name goes in rmm 0.3", OLD_NAME)
+    dataset = load_questions(args)
+    if dataset.categories and args.category not in dataset.categories:
+        known = ", ".join(f"{c} {name}" for c, name in sorted(dataset.categories.items()))
+        raise RmmError(f"{dataset.name} has no category {args.category}; its categories: {known}")
+    llm = common.load_llm(args.llm, **common.llm_options(args))
+    refuse_simulated(args, llm)
+    opened = open_retriever(args.retriever, dataset, "turn", cache=args.cache_dir, device=args.device,
+                            batch_size=args.batch_size)
+    if opened.encoder is None:
+        raise RmmError(f"the reranker needs a dense retriever; {args.retriever!r} has none")
+
+    def show(question: Any, trace: Any) -> None:
+        if args.show_trace:
+            print_trace(trace, common.console)
+        append_trace(args.trace_json, trace.to_json())
+
+    report = evaluate_controller_recall(dataset, opened.retriever, llm, category=args.category, limit=args.limit,
+                                        k=args.k, m=args.m, config=frontend_config(args), answer=args.answer,
+                                        on_trace=show)
+    print_figures(controller_figures(report), common.console)
+    common.write_json(args.json, report.to_json())
+    return 0
+
+
+def controller_figures(report: Any) -> Figures:
+    """One row: recall of both ways of retrieving, then what the controller cost per question."""
+    from rmm.frontends.controllers import CONTROLLERS
+
+    controller = CONTROLLERS[report.frontend]
+    figures = Figures(title=f"{report.dataset} category {report.category} · gold-evidence recall at equal memory "
+                            f"budget · {controller.label} · {escape(report.llm)}",
+                      caption=f"{report.frontend} = union of the memories the {controller.label} front end's queries "
+                              "retrieved; direct = one query with the question, same number of memories. "
+                              "Cost per question.",
+                      columns=["n", f"recall {report.frontend}", "recall direct", "memories", controller.settled,
+                               "LLM calls", "prompt tok", "completion tok", "LLM s"], label=False)
+    figures.add_row(str(report.n), common.fmt(report.recall_controller), common.fmt(report.recall_direct),
+                    f"{report.memories_per_question:.1f}", common.fmt(report.settled), f"{report.llm_calls:.1f}",
+                    f"{report.prompt_tokens:.0f}", f"{report.completion_tokens:.0f}", f"{report.seconds:.1f}")
+    return figures

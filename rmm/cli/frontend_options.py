@@ -1,0 +1,100 @@
+"""The query-side front ends (GOAL-MEM, MemR³) as `chat`, `eval-qa` and `eval-controller` share
+them: the `--frontend` choice, each front end's options (checked at parse time), its config from
+them, the refusal of an LLM that cannot write text, and the JSON-lines trace file.
+
+Each front end's options default to None on the parser and take the config's defaults (the
+papers') when absent, so that an option given for a front end that is not chosen (`--n-max` with
+`--frontend goal`) is refused as one `error:` line rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rmm.cli.arguments import add_check, non_negative_int, positive_int
+from rmm.errors import RmmError
+
+__all__ = ["FRONTEND_OPTIONS", "add_frontend_options", "append_trace", "frontend_config", "refuse_simulated",
+           "text_llm_note"]
+
+_LABELS = {"goal": "GOAL-MEM", "memr3": "MemR³"}
+_CANNOT = {"goal": "decompose", "memr3": "write evidence, gaps or decisions"}
+# option → (front end, config field, argparse type, help)
+FRONTEND_OPTIONS: dict[str, tuple[str, str, Any, str]] = {
+    "--b-max": ("goal", "b_max", positive_int, "decompositions tried (paper: 3)"),
+    "--d-max": ("goal", "d_max", non_negative_int, "refinement depth (paper: 5)"),
+    "--budget": ("goal", "budget", positive_int, "distinct memories per question (paper: 60)"),
+    "--n-max": ("memr3", "n_max", positive_int, "generate calls per question, the iteration budget (paper: 5)"),
+    "--n-chk": ("memr3", "n_chk", positive_int, "memories shown per retrieval (paper: 5)"),
+    "--n-cap": ("memr3", "n_cap", positive_int,
+                "reflects in a row before a retrieval is forced (default 1, as the authors' code)"),
+}
+
+
+def text_llm_note(frontend: str) -> str:
+    """Why the simulated LLM cannot drive `frontend`."""
+    return (f"the {_LABELS[frontend]} front end needs an LLM that writes text (hf:PATH, openai:URL@MODEL, vllm:PATH); "
+            f"the simulated LLM only cites and cannot {_CANNOT[frontend]}")
+
+
+def add_frontend_options(p: argparse.ArgumentParser, *, direct: bool = True) -> None:
+    """--frontend (direct too, unless `direct=False`: then goal by default), every front end's options,
+    --trace-json and --llm-threads; an option of a front end not chosen is a parse error."""
+    if direct:
+        p.add_argument("--frontend", default="direct", choices=("direct", *_LABELS),
+                       help="direct = the message as one query; goal = GOAL-MEM goal decomposition, one query per "
+                            "subgoal; memr3 = MemR³ retrieve / reflect / answer loop over evidence and gaps "
+                            "(goal and memr3 need an LLM that writes text)")
+    else:
+        p.add_argument("--frontend", default="goal", choices=tuple(_LABELS),
+                       help="goal = GOAL-MEM goal decomposition; memr3 = MemR³ retrieve / reflect / answer loop "
+                            "(default: goal)")
+    for option, (frontend, _, kind, text) in FRONTEND_OPTIONS.items():
+        p.add_argument(option, type=kind, help=f"{frontend} front end: {text}")
+    p.add_argument("--trace-json", help="goal / memr3 front end: append each question's trace to this JSON-lines file")
+    p.add_argument("--llm-threads", type=positive_int,
+                   help="CPU threads for an hf: model (1 is fastest on a busy machine)")
+    add_check(p, _options_match_frontend)
+
+
+def _options_match_frontend(args: argparse.Namespace) -> str | None:
+    for option, (frontend, name, _, _) in FRONTEND_OPTIONS.items():
+        if getattr(args, name) is not None and args.frontend != frontend:
+            return f"{option} is a {_LABELS[frontend]} option: it needs --frontend {frontend} (got {args.frontend})"
+    for option in ("trace_json", "show_trace"):
+        if getattr(args, option, None) and args.frontend == "direct":
+            return (f"--{option.replace('_', '-')} shows the goal or memr3 front end's traces: "
+                    "add --frontend goal or memr3")
+    return None
+
+
+def frontend_config(args: argparse.Namespace, **overrides: Any) -> Any:
+    """The chosen front end's config (`GoalConfig` or `MemR3Config`) from the options, None for direct;
+    the config's own checks become one-line errors."""
+    if args.frontend == "direct":
+        return None
+    from rmm.frontends.controllers import CONTROLLERS
+
+    given = {name: getattr(args, name) for frontend, name, _, _ in FRONTEND_OPTIONS.values()
+             if frontend == args.frontend and getattr(args, name) is not None}
+    try:
+        return CONTROLLERS[args.frontend].config(**given, **overrides)
+    except ValueError as error:
+        raise RmmError(f"{args.frontend} front end: {error}") from error
+
+
+def refuse_simulated(args: argparse.Namespace, llm: Any) -> None:
+    """The simulated LLM only cites: it cannot drive the goal or MemR³ front end."""
+    if args.frontend != "direct" and llm.name.startswith("simulated"):
+        raise RmmError(text_llm_note(args.frontend))
+
+
+def append_trace(path: str | None, trace: dict[str, Any]) -> None:
+    """Append one question's trace to the JSON-lines file `path` (if given)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(trace) + "\n")
