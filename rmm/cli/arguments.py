@@ -51,6 +51,7 @@ open_fraction = _number(float, "a fraction strictly between 0 and 1", lambda v: 
 cosine = _number(float, "a cosine similarity in [-1, 1]", lambda v: -1 <= v <= 1, "cosine")
 port = _number(int, "a port number in 1–65535", lambda v: 1 <= v <= 65535, "port")
 
+_ASSIGNMENT = re.compile(r"[A-Za-z_][\w.-]*=")  # key=value (a config override), not an option
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
@@ -95,7 +96,10 @@ def trainable_citer(text: str) -> str:
 def m_within_k(args: argparse.Namespace) -> str | None:
     """The reranker shows M of the K retrieved candidates, so M cannot exceed K."""
     if args.m > args.k:
-        return f"--m {args.m} must not exceed --k {args.k} (M memories are chosen from K candidates)"
+        config, overrides = getattr(args, "config", None), getattr(args, "overrides", None)
+        sources = ([f"--config {config}"] if config else []) + (["key=value overrides"] if overrides else [])
+        after = f", after {' and '.join(sources)}" if sources else ""
+        return f"--m {args.m} must not exceed --k {args.k} (M memories are chosen from K candidates{after})"
     return None
 
 
@@ -106,12 +110,16 @@ class CheckedParser(argparse.ArgumentParser):
 
     `passthrough` names the attribute that receives, verbatim, every argument after the first
     `--` (arguments for another program); the parser's own options may then come anywhere before it.
+
+    `overrides` names a list positional of `key=value` items: those argparse could not place
+    (a second group after some flags: `epochs=1 --device cuda seed=3`) join it, in order.
     """
 
     def __init__(self, *args: Any, passthrough: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.checks: list[Check] = []
         self.passthrough = passthrough
+        self.overrides: str | None = None
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -124,6 +132,10 @@ class CheckedParser(argparse.ArgumentParser):
         parsed, extras = super().parse_known_args(args, namespace)
         if self.passthrough is not None:
             setattr(parsed, self.passthrough, passed)
+        if self.overrides is not None:
+            assignments = [item for item in extras if _ASSIGNMENT.match(item)]
+            setattr(parsed, self.overrides, [*getattr(parsed, self.overrides, []), *assignments])
+            extras = [item for item in extras if not _ASSIGNMENT.match(item)]
         for check in self.checks:
             message = check(parsed)
             if message:
@@ -131,9 +143,12 @@ class CheckedParser(argparse.ArgumentParser):
         return parsed, extras
 
 
-def add_check(parser: argparse.ArgumentParser, check: Check) -> None:
+def add_check(parser: argparse.ArgumentParser, check: Check, *, first: bool = False) -> None:
     """Run `check` after `parser` parses. Every `rmm` parser is a CheckedParser; a plain
     `ArgumentParser` a caller builds itself has nowhere to run it and leaves the check to the
-    library, which validates the same values again when the command runs."""
+    library, which validates the same values again when the command runs.
+
+    `first`: run it before the checks added so far — for the step that settles the namespace
+    (settings from `--config`), so that cross-flag checks see the effective values."""
     if isinstance(parser, CheckedParser):
-        parser.checks.append(check)
+        parser.checks.insert(0 if first else len(parser.checks), check)

@@ -11,7 +11,16 @@ from typing import Any
 from rich.markup import escape
 
 from rmm.cli.arguments import cosine, index_backend, positive_int
-from rmm.cli.common import DEFAULT_RETRIEVER, add_common_options, console, fmt, load_benchmark, load_llm, write_json
+from rmm.cli.common import (
+    DEFAULT_RETRIEVER,
+    add_common_options,
+    console,
+    fmt,
+    load_benchmark,
+    load_llm,
+    write_json,
+)
+from rmm.cli.settings import PRECEDENCE, add_config_options
 from rmm.cli.tables import Figures, print_figures
 
 __all__ = ["granularity_figures", "register", "report_figures", "run"]
@@ -22,7 +31,10 @@ SHORT = {"recall": "R", "recall_any": "any", "recall_all": "all", "ndcg": "nDCG"
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("eval", help="Recall@K of retrievers on a benchmark, per category")
+    p = subparsers.add_parser("eval", help="Recall@K of retrievers on a benchmark, per category",
+                              description="Recall@K (and nDCG) of retrievers on a benchmark, per question "
+                                          "category, at one or several memory granularities. " + PRECEDENCE,
+                              epilog="e.g. rmm eval --config configs/eval/locomo-cpu.yaml k=[1,5,10]")
     p.add_argument("--dataset", default="locomo", help="locomo | longmemeval[:s|m|oracle] | msc | a file")
     p.add_argument("--retriever", nargs="+", default=[DEFAULT_RETRIEVER],
                    help="minilm | bm25 | contriever | stella | gte | an encoder folder (several allowed)")
@@ -35,6 +47,7 @@ def register(subparsers: Any) -> None:
                    help="fallback topics: cosine above which a topic merges into an existing one")
     p.add_argument("--json", help="write the numbers as JSON")
     add_common_options(p)
+    add_config_options(p, label="evaluation config", example="configs/eval/locomo-cpu.yaml")
     p.set_defaults(func=run)
 
 
