@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 import rmm.policy.learner as learner_module
 from rmm.errors import CheckpointError, DimensionMismatchError, EncoderMismatchError
 from rmm.policy.learner import Learner, LearnerConfig, rewards_from_citations
-from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.reranker import ResidualLinearReranker, candidate_subset
 from rmm.policy.sampling import plackett_luce_logp
 from rmm.types import Candidates, Selection
 
@@ -108,7 +109,7 @@ def test_loss_is_the_reinforce_objective(importance: bool) -> None:
     weighted by ρ = min(1, π/μ) (or 1 without the correction)."""
     learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=2, baseline=0.5, importance=importance))
     with torch.no_grad():
-        learner.reranker.W_m.weight.normal_(0, 0.2)
+        learner.reranker.W_m.weight.copy_(0.2 * torch.randn(D, D, generator=torch.Generator().manual_seed(0)))
     sels = [selection(seed=1), selection(k=4, m=2, seed=2)]
     rewards = [torch.tensor([1.0, -1.0, -1.0]), torch.tensor([-1.0, 1.0])]
     expected, ratios = [], []
@@ -366,3 +367,145 @@ def test_recipes_and_format_stay_importable_from_the_learner() -> None:
     assert learner_module.LearnerConfig is recipes.LearnerConfig and learner_module.RECIPES is recipes.RECIPES
     assert learner_module.recipe_config("paper", True) == LearnerConfig()
     assert learner_module.FORMAT_VERSION == checkpoint.FORMAT_VERSION
+
+
+# ---- what a selection records, and learning from it later ---------------------------------------
+def test_selections_record_tau_version_and_mu_and_the_learner_samples_at_its_own_tau() -> None:
+    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=1, tau=0.3, lr=0.05))
+    c, _ = world()
+    cand = make_candidates(1, 5, c)[0]
+    first = learner.select([cand], M, generator=torch.Generator().manual_seed(0))[0]
+    assert first.explore and first.tau == pytest.approx(0.3) and first.version == 0
+    scores = learner.reranker(cand.query_embedding[None], cand.embeddings[None]).detach()
+    expected_mu = plackett_luce_logp(scores, torch.tensor([first.chosen]), 0.3)[0]
+    torch.testing.assert_close(first.logp, expected_mu, rtol=1e-5, atol=1e-5)
+    assert first.behaviour_logp == pytest.approx(float(expected_mu.sum()), abs=1e-5)
+    learner.record(first, torch.tensor([1.0, -1.0, -1.0]))
+    second = learner.select([cand], M, generator=torch.Generator().manual_seed(1))[0]
+    assert learner.version == learner.stats.step == 1 and second.version == 1
+    greedy = learner.select([cand], M, explore=False)[0]
+    assert not greedy.explore and greedy.logp is None and greedy.version == 1
+
+
+def test_log_pi_uses_the_tau_the_selection_was_sampled_at(caplog: pytest.LogCaptureFixture) -> None:
+    """A learner configured for τ 0.5 given a selection sampled at τ 0.2 learns it at 0.2 (μ and π
+    on one τ), says so once, and matches the REINFORCE objective written out at 0.2."""
+    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=2, baseline=0.5, tau=0.5))
+    cand = make_candidates(1, 3, world()[0])[0]
+    gen = torch.Generator().manual_seed(0)
+    sels = [learner.reranker.select([cand], M, tau=0.2, explore=True, generator=gen)[0] for _ in range(2)]
+    rewards = torch.tensor([1.0, -1.0, -1.0])
+    scores = learner.reranker(cand.query_embedding[None], cand.embeddings[None])
+    expected = -sum(((rewards - 0.5) * plackett_luce_logp(scores, torch.tensor([s.chosen]), 0.2)[0]).sum()
+                    for s in sels).item() / 2
+    with caplog.at_level(logging.WARNING, logger="rmm.policy.learner"):
+        learner.record(sels[0], rewards)
+        assert learner.record(sels[1], rewards) == pytest.approx(expected, rel=1e-5)
+    assert caplog.text.count("tau=0.2") == 1
+    assert learner.last_log_ratio is not None and learner.last_log_ratio.tolist() == [0.0, 0.0]
+
+
+def test_a_mask_is_the_same_as_leaving_the_masked_candidates_out() -> None:
+    """The reranker drops excluded candidates; a hand-built Selection may mask them instead."""
+    full = selection(k=6, m=2, seed=3)
+    keep = [i for i in range(6) if i not in (1, 4) or i in full.chosen][:4]
+    keep = sorted(set(keep) | set(full.chosen))
+    mask = torch.tensor([i in keep for i in range(6)])
+    masked = Selection(full.candidates, full.chosen, full.scores, explore=True, tau=0.5, mask=mask)
+    position = {old: new for new, old in enumerate(keep)}
+    sub = candidate_subset(full.candidates, keep)
+    dropped = Selection(sub, [position[i] for i in full.chosen], full.scores[keep], explore=True, tau=0.5)
+    losses = []
+    for sel in (masked, dropped):
+        learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=1))
+        with torch.no_grad():
+            learner.reranker.W_q.weight.copy_(torch.eye(D) * 0.3)
+        losses.append(learner.record(sel, torch.tensor([1.0, -1.0])))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    unmasked = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=1))
+    with torch.no_grad():
+        unmasked.reranker.W_q.weight.copy_(torch.eye(D) * 0.3)
+    assert unmasked.record(Selection(full.candidates, full.chosen, full.scores, explore=True, tau=0.5),
+                           torch.tensor([1.0, -1.0])) != pytest.approx(losses[0], rel=1e-3)
+    with pytest.raises(ValueError, match="masked-out"):
+        bad = mask.clone()
+        bad[full.chosen[0]] = False
+        Learner(ResidualLinearReranker(D)).record(
+            Selection(full.candidates, full.chosen, full.scores, explore=True, mask=bad), torch.tensor([1.0, -1.0]))
+
+
+def test_record_refuses_malformed_off_policy_fields() -> None:
+    learner = Learner(ResidualLinearReranker(D))
+    sel = selection()
+    sel.logp = torch.tensor([-1.0])
+    with pytest.raises(ValueError, match="logp"):
+        learner.record(sel, torch.tensor([1.0, -1.0, -1.0]))
+    sel = selection()
+    sel.tau = 0.0
+    with pytest.raises(ValueError, match="tau"):
+        learner.record(sel, torch.tensor([1.0, -1.0, -1.0]))
+    assert learner.stats.records == 0 and learner.pending == 0
+
+
+@pytest.mark.parametrize("kwargs", [{"credit": "per-memory"}, {"is_clip": 0.0}, {"is_clip": -1.0},
+                                    {"importance": "yes"}, {"is_clip": True}])
+def test_off_policy_config_validation(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        LearnerConfig(**kwargs)
+
+
+def test_checkpoint_keeps_the_off_policy_fields_of_buffered_selections(tmp_path: Path) -> None:
+    """A buffered selection sampled at another τ, with a mask, by older weights: the resumed learner's
+    update is the saved learner's update exactly."""
+    config = LearnerConfig(batch_size=3, lr=0.05, credit="reward-to-go", is_clip=2.0, tau=0.5)
+    learner = trained(3, config)  # one update: step 1
+    stale = learner.reranker.select([make_candidates(1, 11, world()[0])[0]], M, tau=0.4, explore=True,
+                                    generator=torch.Generator().manual_seed(4))[0]
+    run_toy(learner, 6, seed=2)  # three updates: step 3, nothing buffered
+    assert stale.version == 1 and learner.pending == 0
+    stale.mask = torch.ones(K, dtype=torch.bool)
+    stale.mask[next(i for i in range(K) if i not in stale.chosen)] = False
+    learner.record(stale, torch.tensor([1.0, -1.0, 1.0]))
+    assert learner.pending == 1
+    learner.save(tmp_path / "ckpt")
+    resumed = Learner.load(tmp_path / "ckpt")
+    assert resumed.config == config and resumed.stats == learner.stats and resumed.reranker.version == 3
+    last = selection(seed=9)
+    last.tau = 0.5
+    for each in (learner, resumed):
+        each.record(last, torch.tensor([-1.0, 1.0, -1.0]))
+        each.record(last, torch.tensor([-1.0, -1.0, 1.0]))
+    assert resumed.stats == learner.stats and resumed.stats.staleness_sum == learner.stats.staleness_sum
+    assert torch.equal(resumed.last_log_ratio, learner.last_log_ratio)
+    assert resumed.last_log_ratio[0] != 0  # the stale one was corrected
+    assert all(torch.equal(a, b) for a, b in zip(learner.reranker.parameters(), resumed.reranker.parameters()))
+
+
+def test_a_format_1_checkpoint_is_upgraded_on_load(tmp_path: Path) -> None:
+    """Version 1 kept no τ or μ with buffered records and no credit/importance in the config: they
+    load with the defaults, the old records as sampled by the loaded weights (ρ = 1)."""
+    learner = trained(6)  # one update, two records buffered
+    folder = learner.save(tmp_path / "ckpt")
+    training = torch.load(folder / "optimizer.pt", weights_only=True)
+    training["pending"] = [{k: s[k] for k in ("query", "memories", "chosen", "rewards", "noise") if k in s}
+                           for s in training["pending"]]
+    torch.save(training, folder / "optimizer.pt")
+    meta = json.loads((folder / "meta.json").read_text())
+    for key in ("credit", "importance", "is_clip"):
+        del meta["config"][key]
+    for key in ("skipped_greedy", "importance_sum", "importance_count", "importance_clipped", "staleness_sum",
+                "staleness_count"):
+        del meta["stats"][key]
+    meta["format_version"] = 1
+    meta["sha256"]["optimizer.pt"] = hashlib.sha256((folder / "optimizer.pt").read_bytes()).hexdigest()
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+    old = Learner.load(folder)
+    assert old.pending == 2 and old.stats.step == 1 and old.reranker.version == 1
+    assert old.config == LearnerConfig(lr=0.05)
+    old.record(selection(seed=4), torch.tensor([1.0, -1.0, -1.0]))
+    old.record(selection(seed=5), torch.tensor([1.0, -1.0, -1.0]))
+    assert old.stats.step == 2 and old.last_log_ratio is not None
+    assert old.last_log_ratio[:2].tolist() == [0.0, 0.0]  # the upgraded records count as on-policy
+    old.save(folder)
+    assert json.loads((folder / "meta.json").read_text())["format_version"] == learner_module.FORMAT_VERSION

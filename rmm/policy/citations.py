@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Citation", "parse_citations", "parse_json_citations", "format_response"]
+__all__ = ["Citation", "format_response", "parse_citations", "parse_json_citations"]
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from rmm.device import resolve_device
-from rmm.errors import CheckpointError, DimensionMismatchError
+from rmm.errors import CheckpointError
 from rmm.policy.checkpoint import FORMAT_VERSION, read_checkpoint, write_checkpoint
 from rmm.policy.credit import log_importance, pick_weights, truncated_importance
 from rmm.policy.recipes import (
@@ -38,6 +38,7 @@ from rmm.policy.recipes import (
     recipe_for,
 )
 from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.rewarded import RewardedSelection, rewarded, stack_rewarded
 from rmm.policy.sampling import paper_literal_logp, plackett_luce_logp
 from rmm.types import Candidates, Selection
 
@@ -104,57 +105,6 @@ def rewards_from_citations(n_shown: int, cited: list[int] | None, no_cite: bool 
     return rewards
 
 
-@dataclass
-class _Pending:
-    """What a selection leaves for its update: enough to recompute log π with gradients and to
-    weight it by π_θ/μ, all as recorded when it was sampled."""
-
-    query: Tensor  # [d]
-    memories: Tensor  # [K, d]
-    chosen: Tensor  # [M] long
-    rewards: Tensor  # [M]
-    noise: Tensor | None  # [K]
-    tau: float
-    behaviour_logp: Tensor  # [M] log μ of each pick
-    version: int | None = None
-    mask: Tensor | None = None  # [K] bool, True = could be picked
-
-    def to_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {k: getattr(self, k) for k in _STATE_FIELDS}
-        for k in ("noise", "version", "mask"):
-            if getattr(self, k) is not None:
-                state[k] = getattr(self, k)
-        return state
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> _Pending:
-        return cls(**{k: state[k] for k in _STATE_FIELDS},
-                   **{k: state.get(k) for k in ("noise", "version", "mask")})
-
-
-_STATE_FIELDS = ("query", "memories", "chosen", "rewards", "tau", "behaviour_logp")
-
-
-@dataclass
-class _Batch:
-    """A batch's records as tensors, padded to a common K and M where rows differ."""
-
-    queries: Tensor  # [B, d]
-    memories: Tensor  # [B, K, d]
-    chosen: Tensor  # [B, M]
-    rewards: Tensor  # [B, M]
-    taus: Tensor  # [B]
-    behaviour_logp: Tensor  # [B, M], 0 at padding picks
-    mask: Tensor | None  # [B, K] True = could be picked; None = every candidate
-    pick_valid: Tensor | None  # [B, M] False at padding picks; None = no padding
-    noise: Tensor | None  # [B, K] for the paper estimator
-
-    def to(self, device: torch.device) -> _Batch:
-        return _Batch(*(None if t is None else t.to(device) for t in
-                        (self.queries, self.memories, self.chosen, self.rewards, self.taus, self.behaviour_logp,
-                         self.mask, self.pick_valid, self.noise)))
-
-
 class Learner:
     """Turns rewarded selections into reranker updates, `batch_size` queries at a time."""
 
@@ -171,7 +121,7 @@ class Learner:
         self.encoder_name = encoder_name
         self.stats = LearnerStats()
         self.reranker.version = self.stats.step
-        self._buffer: list[_Pending] = []
+        self._buffer: list[RewardedSelection] = []
         self._warned_tau: set[float] = set()
         self.last_log_ratio: Tensor | None = None  # log π_θ/μ of each selection in the last `loss`
         self.optimizer = _make_optimizer(self.config, list(self.reranker.parameters()))
@@ -227,47 +177,11 @@ class Learner:
             self.stats.skipped_greedy += 1
             log.warning("selection %s was greedy (explore=False), not sampled; not learned from", selection.id)
             return None
-        self._buffer.append(self._pending_from(selection, rewards))
+        self._buffer.append(rewarded(selection, rewards, self.dim, self._tau_of(selection)))
         self.stats.records += 1
         if len(self._buffer) >= self.config.batch_size:
             return self._update()
         return None
-
-    def _pending_from(self, selection: Selection, rewards: Tensor) -> _Pending:
-        c = selection.candidates
-        if c.embeddings is None or c.query_embedding is None:
-            raise ValueError("the selection's candidates carry no embeddings; nothing to learn from")
-        if c.query_embedding.shape[-1] != self.dim or (c.embeddings.numel() and c.embeddings.shape[-1] != self.dim):
-            raise DimensionMismatchError(
-                f"selection embeddings have dimension {c.query_embedding.shape[-1]}, learner has {self.dim}"
-            )
-        rewards = torch.as_tensor(rewards, dtype=torch.float32).detach().reshape(-1).cpu()
-        if rewards.numel() != len(selection.chosen):
-            raise ValueError(f"got {rewards.numel()} rewards for {len(selection.chosen)} shown memories")
-        k = len(c.memory_ids)
-        if any(not 0 <= i < k for i in selection.chosen) or len(set(selection.chosen)) != len(selection.chosen):
-            raise ValueError(f"selection.chosen {selection.chosen} is not a set of distinct indices in [0, {k})")
-        mask = None
-        if selection.mask is not None:
-            mask = selection.mask.detach().to(torch.bool).reshape(-1).cpu()
-            if mask.numel() != k:
-                raise ValueError(f"selection.mask has {mask.numel()} entries for {k} candidates")
-            if not all(mask[i] for i in selection.chosen):
-                raise ValueError(f"selection.chosen {selection.chosen} picks a masked-out candidate")
-        chosen = torch.tensor(selection.chosen, dtype=torch.long)
-        tau = self._tau_of(selection)
-        noise = None if selection.noise is None else selection.noise.detach().float().reshape(-1).cpu()
-        return _Pending(
-            query=c.query_embedding.detach().float().reshape(self.dim).cpu(),
-            memories=c.embeddings.detach().float().reshape(k, self.dim).cpu(),
-            chosen=chosen,
-            rewards=rewards,
-            noise=noise,
-            tau=tau,
-            behaviour_logp=_behaviour_logp(selection, chosen, tau, mask),
-            version=selection.version,
-            mask=mask,
-        )
 
     def _tau_of(self, selection: Selection) -> float:
         """The τ to learn this selection at: the one it was sampled at (so μ and π agree on it);
@@ -300,7 +214,7 @@ class Learner:
             return float(self.config.baseline)
         return self.stats.reward_sum / self.stats.reward_count if self.stats.reward_count else 0.0
 
-    def loss(self, batch: list[_Pending]) -> Tensor:
+    def loss(self, batch: list[RewardedSelection]) -> Tensor:
         """`−mean_b ρ_b Σ_j w_bj·log π_bj`, log π recomputed with gradients under current weights.
 
         `w` is the configured credit (`rmm.policy.credit`), ρ = min(is_clip, π_θ/μ) the detached
@@ -310,7 +224,7 @@ class Learner:
         if not batch or max(p.memories.shape[0] for p in batch) == 0 or max(p.chosen.numel() for p in batch) == 0:
             return (self.reranker.W_q.weight.sum() + self.reranker.W_m.weight.sum()) * 0.0
         paper = self.config.estimator == "paper"
-        t = _stack_batch(batch, paper).to(self.device)
+        t = stack_rewarded(batch, paper).to(self.device)
         scores = self.reranker.policy_scores(t.queries, t.memories)
         logits = scores / t.taus.unsqueeze(-1)  # each selection at the τ it was sampled at
         pl_logp = plackett_luce_logp(logits, t.chosen, 1.0, t.mask)
@@ -360,7 +274,7 @@ class Learner:
         self.stats.last_loss = value
         return value
 
-    def _count(self, batch: list[_Pending]) -> None:
+    def _count(self, batch: list[RewardedSelection]) -> None:
         self.stats.reward_sum += float(sum(p.rewards.sum() for p in batch))
         self.stats.reward_count += sum(p.rewards.numel() for p in batch)
         if self.last_log_ratio is not None:
@@ -425,9 +339,9 @@ class Learner:
                      saved.folder, meta["format_version"], FORMAT_VERSION)
         return learner
 
-    def _restore_pending(self, state: dict[str, Any]) -> _Pending:
+    def _restore_pending(self, state: dict[str, Any]) -> RewardedSelection:
         if "behaviour_logp" in state:
-            return _Pending.from_state(state)
+            return RewardedSelection.from_state(state)
         # format 1: no τ, no μ — the record was meant for the weights it was saved with
         tau = float(self.config.tau)
         chosen = state["chosen"].long()
@@ -435,64 +349,8 @@ class Learner:
             scores = self.reranker.policy_scores(state["query"][None].to(self.device),
                                                  state["memories"][None].to(self.device))
             mu = plackett_luce_logp(scores, chosen[None].to(self.device), tau)[0].cpu()
-        return _Pending(query=state["query"], memories=state["memories"], chosen=chosen, rewards=state["rewards"],
+        return RewardedSelection(query=state["query"], memories=state["memories"], chosen=chosen, rewards=state["rewards"],
                         noise=state.get("noise"), tau=tau, behaviour_logp=mu)
-
-
-def _behaviour_logp(selection: Selection, chosen: Tensor, tau: float, mask: Tensor | None) -> Tensor:
-    """log μ per pick: as the sampler recorded it, else from the scores it sampled with (the same
-    Plackett–Luce log-probability under `scores/τ`)."""
-    m = chosen.numel()
-    if selection.logp is not None:
-        logp = selection.logp.detach().float().reshape(-1).cpu()
-        if logp.numel() != m:
-            raise ValueError(f"selection.logp has {logp.numel()} entries for {m} picks")
-    else:
-        scores = selection.scores.detach().float().reshape(-1).cpu()
-        if scores.numel() != len(selection.candidates.memory_ids):
-            raise ValueError(f"selection.scores has {scores.numel()} entries for "
-                             f"{len(selection.candidates.memory_ids)} candidates")
-        if m == 0:
-            return torch.zeros(0)
-        logp = plackett_luce_logp(scores[None], chosen[None], tau, None if mask is None else mask[None])[0]
-    if not bool(torch.isfinite(logp).all()):
-        raise ValueError(f"the selection's behaviour log-probability is not finite: {logp.tolist()}")
-    return logp
-
-
-def _stack_batch(batch: list[_Pending], with_noise: bool) -> _Batch:
-    """Stack a batch; pad rows of different K (users with few memories) and M (fewer picks)."""
-    ks = [p.memories.shape[0] for p in batch]
-    ms = [p.chosen.numel() for p in batch]
-    taus = torch.tensor([p.tau for p in batch], dtype=torch.float32)
-    if len(set(ks)) == 1 and len(set(ms)) == 1 and all(p.mask is None for p in batch):  # the usual case
-        noise = None
-        if with_noise:
-            noise = torch.stack([p.noise if p.noise is not None and p.noise.numel() == ks[0] else torch.zeros(ks[0])
-                                 for p in batch])
-        return _Batch(torch.stack([p.query for p in batch]), torch.stack([p.memories for p in batch]),
-                      torch.stack([p.chosen for p in batch]), torch.stack([p.rewards for p in batch]), taus,
-                      torch.stack([p.behaviour_logp for p in batch]), None, None, noise)
-    size, dim, k_max, m_max = len(batch), batch[0].query.shape[0], max(ks), max(ms)
-    memories = torch.zeros(size, k_max, dim)
-    mask = torch.zeros(size, k_max, dtype=torch.bool)
-    chosen = torch.zeros(size, m_max, dtype=torch.long)
-    rewards = torch.zeros(size, m_max)
-    mu = torch.zeros(size, m_max)
-    pick_valid = torch.zeros(size, m_max, dtype=torch.bool)
-    # Zeros for greedy or noiseless rows: the paper estimator then reduces to `log softmax(s/τ)`.
-    noise = torch.zeros(size, k_max) if with_noise else None
-    for i, p in enumerate(batch):
-        k, m = ks[i], ms[i]
-        memories[i, :k] = p.memories
-        mask[i, :k] = True if p.mask is None else p.mask
-        chosen[i, :m] = p.chosen
-        rewards[i, :m] = p.rewards
-        mu[i, :m] = p.behaviour_logp
-        pick_valid[i, :m] = True
-        if noise is not None and p.noise is not None and p.noise.numel() == k:
-            noise[i, :k] = p.noise
-    return _Batch(torch.stack([p.query for p in batch]), memories, chosen, rewards, taus, mu, mask, pick_valid, noise)
 
 
 def _make_optimizer(config: LearnerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

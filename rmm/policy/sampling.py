@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["gumbel_noise", "gumbel_top_m", "plackett_luce_logp", "paper_literal_logp", "top_m"]
+__all__ = ["gumbel_noise", "gumbel_top_m", "paper_literal_logp", "plackett_luce_logp", "top_m"]
 
 
 def gumbel_noise(
