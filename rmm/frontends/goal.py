@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -463,8 +463,7 @@ class GoalFrontend:
         if keep == len(selection.chosen):
             return selection
         logp = selection.logp[:keep] if selection.logp is not None else None
-        return Selection(candidates=selection.candidates, chosen=selection.chosen[:keep], scores=selection.scores,
-                         logp=logp, noise=selection.noise, explore=selection.explore, id=selection.id)
+        return replace(selection, chosen=selection.chosen[:keep], logp=logp)  # keeps τ, version, mask
 
     def _budget_spent(self, q: _Question) -> bool:
         return len(q.memories) >= self.config.budget
