@@ -3,18 +3,28 @@ front-end options checked at parse time; LoCoMo read with MemR³'s dedup by the 
 
 from __future__ import annotations
 
+import importlib
+import io
 import json
 import re
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 from fakes import BagOfWordsEncoder, ScriptedMemR3LLM, drive
+from rich.console import Console
 
 import rmm.encoders
 import rmm.llm
 from rmm.cli import build_parser, main
+from rmm.cli.eval_controller import controller_figures
 from rmm.cli.eval_qa import load_questions
+from rmm.cli.tables import print_figures
+from rmm.eval.controller_recall import (
+    ControllerRecallReport,
+    evaluate_controller_recall,
+)
 from rmm.memory.bank import MemoryBank
 from rmm.types import Memory
 
@@ -114,6 +124,17 @@ def test_eval_controller_compares_memr3_with_a_direct_query(tiny_data_dir, tmp_p
     assert report["recall_memr3"] == sum(r["recall_memr3"] for r in report["rows"]) / 6
 
 
+def test_the_memr3_table_keeps_every_figure_within_80_columns() -> None:
+    report = ControllerRecallReport("locomo", "hf:/models/smollm2", 1, 10, 0.25, 0.3, 21.0, 0.1, 6.0, 9876, 654, 31.5,
+                                    frontend="memr3")
+    out = io.StringIO()
+    print_figures(controller_figures(report), Console(file=out, width=80))
+    lines = out.getvalue().splitlines()
+    assert max(map(len, lines)) <= 80
+    assert any(all(cell in line for cell in ("10", "25.0", "30.0", "21.0", "9876", "654", "31.5")) for line in lines)
+    assert report.to_json()["recall_memr3"] == 0.25 and report.to_json()["answered"] == 0.1
+
+
 def test_memr3_refuses_the_simulated_llm(tiny_data_dir, tmp_path, capsys, scripted) -> None:
     for argv in (["eval-controller", "--frontend", "memr3"], ["eval-qa", "--frontend", "memr3"]):
         assert main([*argv, "--data-dir", str(tiny_data_dir), "--llm", "simulated", "--device", "cpu"]) == 2
@@ -151,12 +172,6 @@ def test_memr3_options_reach_its_config() -> None:
 def test_eval_goal_is_an_alias_of_eval_controller_and_old_paths_still_import() -> None:
     args = build_parser().parse_args(["eval-goal", "--llm", "x", "--b-max", "2"])
     assert args.frontend == "goal" and args.b_max == 2 and args.func.__module__ == "rmm.cli.eval_controller"
-    import importlib
-    import sys
-
-    from rmm.cli.eval_controller import controller_figures
-    from rmm.eval.controller_recall import ControllerRecallReport, evaluate_controller_recall
-
     for name in ("rmm.eval.goal_recall", "rmm.cli.eval_goal"):
         sys.modules.pop(name, None)
     with warnings.catch_warnings(record=True) as caught:

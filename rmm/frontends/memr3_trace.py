@@ -105,7 +105,7 @@ def _evidence(parent: Tree, evidence: list[EvidenceRecord], trace: MemR3Trace) -
 
 def render_memr3_trace(trace: MemR3Trace, *, show_memories: bool = True) -> Tree:
     """The question's loop as a tree: start retrieval → iterations (decision, evidence, gaps, retrieval) → answer."""
-    root = trace._header(f"{len(trace.retrieved)} memories",
+    root = trace.header(f"{len(trace.retrieved)} memories",
                          f"n_max {trace.n_max}, n_chk {trace.n_chk}, n_cap {trace.n_cap}")
     if trace.start is not None:
         _retrieval(root, trace.start, trace, show_memories)

@@ -124,7 +124,7 @@ class FrontendTrace:
     """What every front end's trace has: the question, how it ended, the memories and the LLM calls.
 
     Subclasses are dataclasses that add their own steps; `_records` turns those steps' JSON back
-    into records and `render` draws them under `_header`.
+    into records and `render` draws them under `header`.
     """
 
     question: str
@@ -159,10 +159,10 @@ class FrontendTrace:
         return data
 
     def render(self, *, show_memories: bool = True) -> Tree:
-        """The readable view: a tree under `_header`."""
+        """The readable view: a tree under `header`."""
         raise NotImplementedError(f"{type(self).__name__} has no readable view")
 
-    def _header(self, *facts: str) -> Tree:
+    def header(self, *facts: str) -> Tree:
         """The question with user, ending, LLM calls, tokens, seconds and the subclass's `facts`."""
         usage = self.usage
         ending = f"{self.outcome} ({self.stop_reason})" if self.stop_reason else self.outcome
@@ -235,7 +235,7 @@ def _bindings(bindings: dict[str, str]) -> str:
 
 def render_trace(trace: GoalTrace, *, show_memories: bool = True) -> Tree:
     """The question's search as a tree: breadths → depths → queries, unification, bindings."""
-    root = trace._header(f"{len(trace.retrieved)}/{trace.budget} memories")
+    root = trace.header(f"{len(trace.retrieved)}/{trace.budget} memories")
     for b in trace.breadths:
         node = root.add(f"[bold cyan]breadth {b.breadth}[/bold cyan] [dim]{escape(b.outcome)}[/dim]")
         if b.error:
