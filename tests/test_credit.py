@@ -117,6 +117,21 @@ def test_stale_selections_are_weighted_by_the_truncated_ratio(ratio: float, conf
     torch.testing.assert_close(got, hand_score_gradient(HAND_WEIGHTS["per-pick"], rho=rho), rtol=1e-5, atol=1e-6)
 
 
+def test_normalized_ratios_weight_the_batch_by_rho_over_its_mean() -> None:
+    """Weighted importance sampling: ratios 2 (4 clipped at 2) and 0.5 become 1.6 and 0.4."""
+    config = tiny_config("per-pick", is_clip=2.0, is_normalize=True)
+    config.batch_size = 2
+    learner = Learner(ResidualLinearReranker(3), config)
+    for ratio in (4.0, 0.5):
+        shift = math.log(ratio) / 2
+        learner.record(tiny_selection([v - shift for v in on_policy_logp()]), torch.tensor(REWARDS))
+    got = -learner.reranker.W_q.weight.detach() @ QUERY / QUERY.dot(QUERY)
+    expected = (hand_score_gradient(HAND_WEIGHTS["per-pick"], rho=1.6)
+                + hand_score_gradient(HAND_WEIGHTS["per-pick"], rho=0.4)) / 2
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert learner.stats.importance_sum == pytest.approx(2.5, rel=1e-5)  # the stats keep the raw ρ
+
+
 def test_importance_diagnostics_are_counted() -> None:
     config = LearnerConfig(lr=1e-9, optimizer="sgd", batch_size=1, tau=TAU, is_clip=2.0)  # π stays put
     learner = Learner(ResidualLinearReranker(3), config)

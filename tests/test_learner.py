@@ -448,7 +448,8 @@ def test_record_refuses_malformed_off_policy_fields() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"credit": "per-memory"}, {"is_clip": 0.0}, {"is_clip": -1.0},
-                                    {"importance": "yes"}, {"is_clip": True}])
+                                    {"importance": "yes"}, {"is_clip": True},
+                                    {"is_normalize": 1}])
 def test_off_policy_config_validation(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         LearnerConfig(**kwargs)
@@ -491,7 +492,7 @@ def test_a_format_1_checkpoint_is_upgraded_on_load(tmp_path: Path) -> None:
                            for s in training["pending"]]
     torch.save(training, folder / "optimizer.pt")
     meta = json.loads((folder / "meta.json").read_text())
-    for key in ("credit", "importance", "is_clip"):
+    for key in ("credit", "importance", "is_clip", "is_normalize"):
         del meta["config"][key]
     for key in ("skipped_greedy", "importance_sum", "importance_count", "importance_clipped", "staleness_sum",
                 "staleness_count"):

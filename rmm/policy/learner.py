@@ -218,7 +218,8 @@ class Learner:
         """`−mean_b ρ_b Σ_j w_bj·log π_bj`, log π recomputed with gradients under current weights.
 
         `w` is the configured credit (`rmm.policy.credit`), ρ = min(is_clip, π_θ/μ) the detached
-        truncated importance ratio (1 with `importance=False`); `last_log_ratio` keeps log π_θ/μ.
+        truncated importance ratio (1 with `importance=False`; divided by the batch's mean with
+        `is_normalize`); `last_log_ratio` keeps log π_θ/μ.
         """
         self.last_log_ratio = None
         if not batch or max(p.memories.shape[0] for p in batch) == 0 or max(p.chosen.numel() for p in batch) == 0:
@@ -240,6 +241,8 @@ class Learner:
             advantage = torch.where(t.pick_valid, advantage, torch.zeros_like(advantage))
         log_ratio = self.last_log_ratio = log_importance(pl_logp, t.behaviour_logp)
         rho = self._importance(log_ratio)
+        if self.config.importance and self.config.is_normalize:
+            rho = rho / rho.mean().clamp(min=torch.finfo(rho.dtype).tiny)
         weights = pick_weights(advantage, self.config.credit)
         return -(rho * (weights * logp).sum(-1)).mean()
 

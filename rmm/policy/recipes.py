@@ -23,7 +23,9 @@ __all__ = ["RECIPES", "LearnerConfig", "is_normalized_encoder", "recipe_config",
 class LearnerConfig:
     """`credit` weights the per-pick log π terms (`rmm.policy.credit`); `importance` weights each
     delayed selection by `min(is_clip, π_θ/μ)` (off for `--no-is`; `is_clip = math.inf` leaves
-    the ratio untruncated). `tau` is what `Learner.select` samples with; a selection that recorded
+    the ratio untruncated; `is_normalize` divides the batch's ratios by their mean — weighted
+    importance sampling: biased for small batches, but a batch of very stale selections no longer
+    shrinks the step). `tau` is what `Learner.select` samples with; a selection that recorded
     its own τ is learned at that τ, so sampling and log π never use two different values."""
 
     lr: float = 1e-3
@@ -36,6 +38,7 @@ class LearnerConfig:
     credit: Credit = "per-pick"
     importance: bool = True
     is_clip: float = 1.0
+    is_normalize: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -56,6 +59,8 @@ class LearnerConfig:
             raise ValueError(f"credit must be one of {CREDITS}, got {self.credit!r}")
         if type(self.importance) is not bool:
             raise ValueError(f"importance must be true or false, got {self.importance!r}")
+        if type(self.is_normalize) is not bool:
+            raise ValueError(f"is_normalize must be true or false, got {self.is_normalize!r}")
         if isinstance(self.is_clip, bool) or not isinstance(self.is_clip, (int, float)) or not self.is_clip > 0:
             raise ValueError(f"is_clip must be a number > 0 (inf: no truncation), got {self.is_clip!r}")
 
