@@ -1,15 +1,27 @@
 #!/usr/bin/env python
 """Benchmark `rmm serve`: N concurrent clients on loopback, micro-batching on vs off.
 
-Builds (once, cached) a turn-level bank of LoCoMo with the MiniLM preset, starts the server in a
-subprocess for each batching mode, and for each client count runs N concurrent clients that
-each send retrieve requests (one LoCoMo question for its own conversation, K=20, M=5) back to
-back for `--duration` seconds. Prints throughput, p50/p99 latency, mean server-side batch size
-and errors per configuration, then the batching-on / batching-off throughput ratio. Exits 1 if
-any request failed.
+Two settings (`--setting`):
 
-    python scripts/bench_serve.py                                # 1, 8, 32 clients, 8 s each
-    python scripts/bench_serve.py --clients 1 16 64 128 --duration 20 --max-batch 128
+- `locomo` (default): a turn-level bank of LoCoMo with the MiniLM preset (built once, cached);
+  each client sends one LoCoMo question for its own conversation.
+- `goal`: the serving goal — 10,000 memories per user across 32 users, 32 concurrent clients,
+  K 20, M 5, CPU. Encoding 320,000 texts would take hours on a small CPU box, so the memories
+  are synthetic: random unit vectors (the 384 dimensions of MiniLM) with short texts, stored
+  with precomputed embeddings in a bank that records the MiniLM encoder. Queries are real LoCoMo
+  questions, encoded by the server's MiniLM query path, each for a random one of the 32 users, so
+  every micro-batch searches many users' 10k-row matrices. Search results are meaningless; the
+  cost of every step is not.
+
+The server runs in a subprocess for each batching mode (its torch thread count is printed); each
+client sends retrieve requests back to back for `--duration` seconds after `--warmup`. Prints
+throughput, p50/p99 latency, mean server-side batch size, errors, the 1-minute load average
+(other processes on the machine inflate every figure), then the batching on / off throughput
+ratio and both p99s. Exits 1 if any request failed.
+
+    python scripts/bench_serve.py                                # LoCoMo: 1, 8, 32 clients, 8 s each
+    python scripts/bench_serve.py --setting goal                 # 32 users x 10k memories, 32 clients
+    python scripts/bench_serve.py --clients 1 16 64 --duration 20 --max-batch 128
 """
 
 from __future__ import annotations
@@ -47,6 +59,8 @@ class Row:
     p99_ms: float
     mean_batch: float
     errors: int
+    load_avg: float  # 1-minute load average at the end of the run
+    server_cpu_ms: float  # server process CPU time per request (all its threads)
 
 
 def build_bank(bank: Path, data_dir: str | None, conversations: int | None) -> list[tuple[str, str]]:
@@ -76,12 +90,43 @@ def build_bank(bank: Path, data_dir: str | None, conversations: int | None) -> l
     return questions
 
 
+def build_synthetic_bank(bank: Path, data_dir: str | None, users: int, per_user: int,
+                         seed: int) -> list[tuple[str, str]]:
+    """`users` x `per_user` random unit vectors under tenant `bench` (built once); returns
+    (user, LoCoMo question) pairs, questions spread over the users round-robin."""
+    import torch
+
+    from rmm.data import load_dataset
+    from rmm.encoders import load_encoder
+    from rmm.memory.bank import MemoryBank
+    from rmm.serve.tenants import scoped
+    from rmm.types import Memory
+
+    names = [f"user{u:02d}" for u in range(users)]
+    with MemoryBank(bank, load_encoder("minilm", device="cpu"), device="cpu") as b:
+        for u, user in enumerate(names):
+            uid = scoped(TENANT, user)
+            if b.store.has_user(uid) and b.store.count(uid) == per_user:
+                continue
+            if b.store.has_user(uid):
+                b.delete_user(uid)
+            t0 = time.perf_counter()
+            generator = torch.Generator().manual_seed(seed * 10_007 + u)
+            vectors = torch.nn.functional.normalize(torch.randn(per_user, b.dim, generator=generator), dim=1)
+            memories = [Memory(id=f"m{j}", user_id=uid, kind="turn", text=f"{user} said thing number {j} of "
+                               f"{per_user} about a synthetic topic") for j in range(per_user)]
+            b.add(uid, memories, embeddings=vectors)
+            print(f"  stored {per_user} synthetic memories of {user} in {time.perf_counter() - t0:.1f} s", flush=True)
+    questions = [q.text for q in load_dataset("locomo", data_dir=data_dir).questions]
+    return [(names[i % users], question) for i, question in enumerate(questions)]
+
+
 def start_server(bank: Path, workdir: Path, batching: bool, max_batch: int, max_wait_ms: float,
-                 device: str, threads: int | None) -> tuple[subprocess.Popen, str, Path]:
+                 device: str, threads: int | None, extra: dict[str, object]) -> tuple[subprocess.Popen, str, Path]:
     config = workdir / f"serve-{'on' if batching else 'off'}.json"  # JSON is valid YAML
     config.write_text(json.dumps({
         "auth": {"keys": {KEY: TENANT}}, "device": device, "log_level": "warning", "torch_threads": threads,
-        "batching": {"enabled": batching, "max_batch": max_batch, "max_wait_ms": max_wait_ms},
+        "batching": {"enabled": batching, "max_batch": max_batch, "max_wait_ms": max_wait_ms}, **extra,
     }))
     log = workdir / f"server-{'on' if batching else 'off'}.log"
     try:
@@ -89,6 +134,12 @@ def start_server(bank: Path, workdir: Path, batching: bool, max_batch: int, max_
     except RmmError as error:
         raise SystemExit(str(error)) from error
     return proc, url, log
+
+
+def server_threads(url: str) -> str:
+    """The server's torch intra-op thread count, from its health answer when it reports it."""
+    health = httpx.get(f"{url}/health", timeout=10).json()
+    return str(health.get("torch_threads", "?"))
 
 
 def batch_totals(url: str) -> tuple[float, float]:
@@ -132,6 +183,27 @@ async def load(url: str, questions: list[tuple[str, str]], clients: int, duratio
     return latencies, errors, sent, elapsed
 
 
+def touch_every_user(url: str, questions: list[tuple[str, str]], k: int, m: int) -> None:
+    """One query per user before timing: each user's index is loaded on its first search, a
+    one-off cost that would otherwise land in the timed run."""
+    first = {user: question for user, question in reversed(questions)}
+    queries = [{"user": user, "query": question, "k": k, "m": m} for user, question in first.items()]
+    for start in range(0, len(queries), 64):
+        response = httpx.post(f"{url}/v1/retrieve", json={"queries": queries[start:start + 64]},
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+        response.raise_for_status()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc; NaN elsewhere): what a request costs the
+    server whatever else the machine is doing."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -141,7 +213,11 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--setting", choices=("locomo", "goal"), default="locomo",
+                        help="goal: 32 users x 10k synthetic memories, 32 clients (see the module docstring)")
+    parser.add_argument("--users", type=int, default=32, help="goal setting: users")
+    parser.add_argument("--per-user", type=int, default=10_000, help="goal setting: memories per user")
+    parser.add_argument("--clients", type=int, nargs="+", help="default: 1 8 32 (locomo), 32 (goal)")
     parser.add_argument("--duration", type=float, default=8.0, help="seconds of load per configuration")
     parser.add_argument("--warmup", type=float, default=1.5, help="seconds of unmeasured load before each")
     parser.add_argument("--max-batch", type=int, default=64)
@@ -156,6 +232,8 @@ def main() -> int:
                         help="server torch threads (default 1: the clients need the other core of a 2-core box; "
                              "0 = torch's default)")
     parser.add_argument("--modes", nargs="+", choices=("on", "off"), default=["on", "off"])
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=JSON",
+                        help="extra server setting, e.g. --set query_encoder='\"int8\"' (repeatable)")
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -163,36 +241,52 @@ def main() -> int:
 
     from rmm.paths import cache_dir
 
-    bank = Path(args.bank) if args.bank else cache_dir() / "bench-serve" / "locomo-turn-minilm"
-    print(f"bank {bank} (LoCoMo turns, MiniLM); server device {args.device}, torch threads "
-          f"{args.threads or 'default'}; {os.cpu_count()} CPUs", flush=True)
+    goal = args.setting == "goal"
+    args.clients = args.clients or ([32] if goal else [1, 8, 32])
+    extra = {key: json.loads(value) for key, _, value in (s.partition("=") for s in args.settings)}
+    if goal:
+        default_bank = cache_dir() / "bench-serve" / f"synthetic-{args.users}x{args.per_user}-minilm"
+        what = f"{args.users} users x {args.per_user} synthetic memories (random unit vectors), LoCoMo questions"
+    else:
+        default_bank = cache_dir() / "bench-serve" / "locomo-turn-minilm"
+        what = "LoCoMo turns, MiniLM"
+    bank = Path(args.bank) if args.bank else default_bank
+    print(f"bank {bank} ({what}); K {args.k}, M {args.m}; server device {args.device}, torch threads "
+          f"{args.threads or 'default'}; {os.cpu_count()} CPUs; settings {extra or 'default'}", flush=True)
     t0 = time.perf_counter()
-    pairs = build_bank(bank, args.data_dir, args.conversations)
+    if goal:
+        pairs = build_synthetic_bank(bank, args.data_dir, args.users, args.per_user, args.seed)
+    else:
+        pairs = build_bank(bank, args.data_dir, args.conversations)
     print(f"  ready in {time.perf_counter() - t0:.1f} s; {len(pairs)} questions", flush=True)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="rmm-bench-serve-") as tmp:
         for mode in args.modes:
             batching = mode == "on"
             proc, url, _log = start_server(bank, Path(tmp), batching, args.max_batch, args.max_wait_ms, args.device,
-                                          args.threads or None)
+                                          args.threads or None, extra)
+            print(f"  server ({mode}): torch threads {server_threads(url)}", flush=True)
             try:
+                touch_every_user(url, pairs, args.k, args.m)
                 for clients in args.clients:
                     asyncio.run(load(url, pairs, clients, args.warmup, args.k, args.m, args.seed + 99))
-                    before = batch_totals(url)
+                    before, cpu_before = batch_totals(url), cpu_seconds(proc.pid)
                     latencies, errors, sent, elapsed = asyncio.run(
                         load(url, pairs, clients, args.duration, args.k, args.m, args.seed))
-                    after = batch_totals(url)
+                    after, cpu_after = batch_totals(url), cpu_seconds(proc.pid)
                     batches = after[1] - before[1]
                     row = Row(clients=clients, batching=mode, max_batch=args.max_batch if batching else 1,
                               max_wait_ms=args.max_wait_ms if batching else 0.0, requests=sent,
                               req_per_s=len(latencies) / elapsed, p50_ms=1000 * percentile(latencies, 0.5),
                               p99_ms=1000 * percentile(latencies, 0.99),
                               mean_batch=(after[0] - before[0]) / batches if batches else float("nan"),
-                              errors=errors)
+                              errors=errors, load_avg=os.getloadavg()[0],
+                              server_cpu_ms=1000 * (cpu_after - cpu_before) / max(1, sent))
                     rows.append(row)
                     print(f"  batching {mode:3s} clients {clients:3d}: {row.req_per_s:7.1f} req/s  "
                           f"p50 {row.p50_ms:7.1f} ms  p99 {row.p99_ms:7.1f} ms  batch {row.mean_batch:5.1f}  "
-                          f"errors {errors}", flush=True)
+                          f"server CPU {row.server_cpu_ms:5.1f} ms/req  errors {errors}  load {row.load_avg:.1f}",
+                          flush=True)
             finally:
                 proc.terminate()
                 try:
@@ -201,11 +295,13 @@ def main() -> int:
                     proc.kill()
 
     print()
-    print("| clients | batching | max_batch | max_wait_ms | req/s | p50 ms | p99 ms | mean batch | errors |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| clients | batching | max_batch | max_wait_ms | req/s | p50 ms | p99 ms | mean batch | server CPU ms/req "
+          "| errors | load |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r.clients} | {r.batching} | {r.max_batch} | {r.max_wait_ms:g} | {r.req_per_s:.1f} | "
-              f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.mean_batch:.1f} | {r.errors} |")
+              f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.mean_batch:.1f} | {r.server_cpu_ms:.1f} | {r.errors} | "
+              f"{r.load_avg:.1f} |")
     on = {r.clients: r for r in rows if r.batching == "on"}
     off = {r.clients: r for r in rows if r.batching == "off"}
     common = [c for c in args.clients if c in on and c in off]
@@ -213,7 +309,9 @@ def main() -> int:
         print()
         for c in common:
             print(f"clients {c:3d}: batching on / off throughput = {on[c].req_per_s / off[c].req_per_s:.2f}x, "
-                  f"p99 {on[c].p99_ms:.1f} vs {off[c].p99_ms:.1f} ms")
+                  f"p99 on / off = {on[c].p99_ms:.1f} / {off[c].p99_ms:.1f} ms = "
+                  f"{on[c].p99_ms / off[c].p99_ms:.2f}x, server CPU per request off / on = "
+                  f"{off[c].server_cpu_ms / on[c].server_cpu_ms:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
         print(f"wrote {args.json}")

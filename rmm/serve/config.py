@@ -131,6 +131,7 @@ class ServeConfig:
     index_backend: str = "torch"
     device: str = "auto"
     torch_threads: int | None = None  # intra-op CPU threads (None: torch's default, one per core)
+    query_precision: str = "auto"  # auto | float32 | int8: the query encoder's linears (rmm.serve.query_encoder)
     k: int = 20
     m: int = 5
     tau: float | None = None  # None: the recipe's (see `recipe`)
@@ -156,6 +157,8 @@ class ServeConfig:
             raise ConfigError("bank: a bank folder is required (rmm serve --bank PATH, or `bank:` in the config)")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1 or null, got {self.torch_threads}")
+        if self.query_precision not in ("auto", "float32", "int8"):
+            raise ConfigError(f"query_precision must be 'auto', 'float32' or 'int8', got {self.query_precision!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.k < 1 or self.m < 1 or self.m > self.k:

@@ -3,6 +3,9 @@ metrics, the limits.
 
 `create_app` puts one of each object on `app.state`; the routes ask for them by type, so a route
 module needs no closure over `create_app` and tests can reach the same objects through `app.state`.
+The dependencies are coroutines because none of them blocks: FastAPI runs a plain `def`
+dependency in its thread pool, a thread hop per dependency per request that cost more than the
+lookups themselves.
 
 An API key is sent as `Authorization: Bearer KEY` or `X-API-Key: KEY` (the Bearer token wins when
 both are sent). The key names the tenant; the routes only ever see the tenant. Both security
@@ -56,23 +59,23 @@ class RequestLimits:
         return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, message)
 
 
-def get_service(request: Request) -> RetrievalService:
+async def get_service(request: Request) -> RetrievalService:
     return request.app.state.service
 
 
-def get_retrievals(request: Request) -> MicroBatcher[RetrieveItem, RetrieveResult]:
+async def get_retrievals(request: Request) -> MicroBatcher[RetrieveItem, RetrieveResult]:
     return request.app.state.batcher
 
 
-def get_writes(request: Request) -> MicroBatcher[WriteItem, list[str]]:
+async def get_writes(request: Request) -> MicroBatcher[WriteItem, list[str]]:
     return request.app.state.writes
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
-def get_limits(request: Request) -> RequestLimits:
+async def get_limits(request: Request) -> RequestLimits:
     return RequestLimits(request.app.state.service.config.limits)
 
 
@@ -111,7 +114,7 @@ def tenant_of(service: RetrievalService, key: str | None) -> str:
     return tenant
 
 
-def require_tenant(service: Service,
+async def require_tenant(service: Service,
                    bearer: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)] = None,
                    header_key: Annotated[str | None, Security(header_scheme)] = None) -> str:
     return tenant_of(service, pick_key(bearer.credentials if bearer else None, header_key))

@@ -45,9 +45,11 @@ class BatchRetriever:
     def retrieve_batch(self, items: list[RetrieveItem]) -> list[RetrieveResult | Exception]:
         """Every query of the batch in one encode; per user one search; per reranker one select."""
         results: Results = [None] * len(items)
+        known = {user_id: self.bank.store.has_user(user_id)  # one look-up per user, not per query
+                 for user_id in {scoped(item.tenant, item.user) for item in items}}
         live = []
         for i, item in enumerate(items):
-            if self.bank.store.has_user(scoped(item.tenant, item.user)):
+            if known[scoped(item.tenant, item.user)]:
                 live.append(i)
             else:
                 results[i] = unknown_user(item.user)

@@ -205,3 +205,4 @@ class HealthOut(BaseModel):
     batching: bool
     max_batch: int
     max_wait_ms: float
+    torch_threads: int = Field(description="intra-op CPU threads the server computes with")

@@ -32,6 +32,7 @@ from rmm.serve.locked_encoder import LockedEncoder
 from rmm.serve.maintenance import Maintenance
 from rmm.serve.memories import UserMemories
 from rmm.serve.pending import SelectionStore
+from rmm.serve.query_encoder import query_encoder
 from rmm.serve.records import (
     FeedbackResult,
     NewMemory,
@@ -80,7 +81,7 @@ class RetrievalService:
             from rmm.encoders import load_encoder
 
             encoder = load_encoder(config.encoder, device=config.device)
-        self.encoder = LockedEncoder(encoder)
+        self.encoder = LockedEncoder(query_encoder(encoder, config.query_precision))
         path = config.bank_path
         self.bank = MemoryBank(path, self.encoder, index_backend=config.index_backend, device=config.device)
         self.learner_config = config.learner_config(is_normalized_encoder(encoder))

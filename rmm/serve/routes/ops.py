@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,7 +19,8 @@ router = APIRouter(tags=["ops"])
 def health(service: Service) -> HealthOut:
     batching = service.config.batching
     return HealthOut(status="ok", encoder=service.encoder.name, dim=service.bank.dim, batching=batching.enabled,
-                     max_batch=batching.max_batch, max_wait_ms=batching.max_wait_ms)
+                     max_batch=batching.max_batch, max_wait_ms=batching.max_wait_ms,
+                     torch_threads=torch.get_num_threads())
 
 
 @router.get("/metrics", response_class=Response)

@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""What int8 query encoding (`rmm serve`'s `query_precision: int8`) costs in retrieval quality.
+
+Recall@K on LoCoMo (turn granularity, `rmm eval`'s runner and headline: categories 1-4, the
+adversarial one beside) with the real MiniLM: once with float32 queries, once with the int8
+query path — both against the same float32 passage vectors, as the server has them. Also prints
+the query encoding time per query of each path (batches of 32, one thread) and the cosine of
+int8 to float32 query vectors. The server's setting is acceptable when no recall drops by more
+than `--max-drop` points (default 0.5); exits 1 otherwise.
+
+    python scripts/recall_query_encoder.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import torch
+
+from rmm.data import load_dataset
+from rmm.eval.benchmark_bank import open_retriever
+from rmm.eval.retrieval import evaluate
+from rmm.serve.query_encoder import Int8QueryEncoder
+
+
+def seconds_per_query(encode, texts: list[str], batch: int = 32, repeats: int = 3) -> float:
+    """Best of `repeats` passes over `texts` in batches of `batch`, per query."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(0, len(texts), batch):
+            encode(texts[i:i + batch])
+        best = min(best, time.perf_counter() - start)
+    return best / len(texts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--encoder", default="minilm")
+    parser.add_argument("--ks", type=int, nargs="+", default=[5, 10, 20])
+    parser.add_argument("--max-drop", type=float, default=0.5, help="points of recall int8 may lose")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--data-dir", help="benchmark data (default: $RMM_DATA_DIR / the shared data folder)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+
+    dataset = load_dataset("locomo", data_dir=args.data_dir)
+    opened = open_retriever(args.encoder, dataset, "turn", device="cpu", progress=False)
+    bank, encoder = opened.retriever, opened.encoder
+    assert encoder is not None
+    int8 = Int8QueryEncoder(encoder)
+    reports = {}
+    for label, query_path in (("float32", encoder), ("int8", int8)):
+        bank.encoder = query_path  # type: ignore[union-attr]  # the bank encodes queries with it
+        reports[label] = evaluate(dataset, bank, "turn", ks=args.ks, retriever_name=label, progress=False)
+    texts = [q.text for q in dataset.questions[:512]]
+    with torch.inference_mode():
+        cosine = torch.nn.functional.cosine_similarity(encoder.encode_queries(texts), int8.encode_queries(texts))
+    speed = {label: seconds_per_query(path.encode_queries, texts[:256]) for label, path in
+             (("float32", encoder), ("int8", int8))}
+
+    load = os.getloadavg()[0]
+    print(f"LoCoMo turn recall, {args.encoder}, {reports['float32'].overall['n']} questions (categories 1-4); "
+          f"torch {torch.__version__}, {args.threads} thread(s), load average {load:.1f}")
+    metrics = [m for m in reports["float32"].overall if m != "n"]
+    print(f"{'metric':>14} | {'float32':>8} | {'int8':>8} | {'drop':>6}")
+    worst = 0.0
+    for metric in metrics:
+        full, quant = reports["float32"].overall[metric], reports["int8"].overall[metric]
+        drop = 100 * (full - quant)
+        worst = max(worst, drop)
+        print(f"{metric:>14} | {100 * full:8.2f} | {100 * quant:8.2f} | {drop:+6.2f}")
+    print(f"query cosine int8 vs float32: min {cosine.min():.4f}, mean {cosine.mean():.4f}")
+    print(f"query encoding, batches of 32: float32 {1000 * speed['float32']:.2f} ms/query, "
+          f"int8 {1000 * speed['int8']:.2f} ms/query ({speed['float32'] / speed['int8']:.2f}x)")
+    verdict = "within" if worst <= args.max_drop else "OVER"
+    print(f"largest recall drop {worst:+.2f} points: {verdict} the {args.max_drop} point budget")
+    return 0 if worst <= args.max_drop else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
