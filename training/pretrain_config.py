@@ -65,10 +65,15 @@ class PretrainConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.05
     lora_target_modules: list[str] | None = None  # None → peft's default for the architecture
-    num_workers: int = 0
-    fused_adamw: bool = True  # AdamW's fused kernel (CPU/CUDA; off under 16-mixed, see pretrain.py)
+    num_workers: int = 0  # DataLoader worker processes for collation (batches are pre-tokenised)
+    fused_adamw: bool = True  # AdamW's fused kernel (CPU/CUDA; off under 16-mixed, see module.py)
+    torch_compile: bool = False  # compile the transformer (dynamic shapes); pays off on long GPU runs
+    # batch pairs of similar length (within shuffled pools of 64 batches) so padding wastes little;
+    # changes which pairs share a batch (the in-batch negatives), so it is off unless asked for
+    length_bucketing: bool = False
     # outputs
-    checkpoint: bool = True  # Lightning checkpoints (last + best val_loss) under output_dir/checkpoints
+    checkpoint: bool = True  # one resumable checkpoint, output_dir/checkpoints/last.ckpt, rewritten every epoch
+    resume_from: str | None = None  # a checkpoint to continue from ("last" = output_dir's own)
     wandb_project: str | None = None  # W&B only when set and WANDB_MODE != disabled
     wandb_run_name: str | None = None
     log_every_n_steps: int = 10
@@ -107,6 +112,8 @@ class PretrainConfig:
         if self.precision not in ("auto", "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true"):
             raise PretrainConfigError(f"precision {self.precision!r} is not one of auto, 32-true, bf16-mixed, "
                                       "16-mixed, bf16-true")
+        if self.num_workers < 0:
+            raise PretrainConfigError(f"num_workers must be an integer ≥ 0, got {self.num_workers!r}")
         if not self.eval_ks or any(not isinstance(k, int) or k < 1 for k in self.eval_ks):
             raise PretrainConfigError(f"eval_ks must be a non-empty list of positive integers, got {self.eval_ks!r}")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from typing import Any
 
 from rmm.cli.arguments import add_check
@@ -53,12 +55,27 @@ def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def _resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues an interrupted run from its own last checkpoint."""
+    parts = ["rmm", "pretrain"] + (["--config", args.config] if args.config else [])
+    parts += [o for o in args.overrides if not o.lstrip("-").replace("-", "_").startswith("resume_from=")]
+    return shlex.join([*parts, "resume_from=last"])
+
+
 def run(args: argparse.Namespace) -> int:
-    from rmm.training.pretrain import run_pretrain
+    from rmm.training.pretrain import PretrainInterrupted, run_pretrain
     from rmm.training.pretrain_config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    report = run_pretrain(cfg)
+    try:
+        report = run_pretrain(cfg)
+    except PretrainInterrupted as interrupted:  # Ctrl-C: say where the run can pick up, exit 130 as shells expect
+        if interrupted.checkpoint is None:
+            print(interrupted, file=sys.stderr)
+        else:
+            print(f"interrupted — last checkpoint at {interrupted.checkpoint}\n"
+                  f"resume with: {_resume_command(args)}", file=sys.stderr)
+        return 130
     if report.rank != 0:  # DDP: the launching rank reports (and writes --json) for all of them
         return 0
     print(report.split)

@@ -12,15 +12,16 @@ ranks so each query sees the global batch's passages (`loss`).
 
 Modules, one concept each: `data` (pairs, split by user), `sampler` (false-negative-free batches,
 sharded), `loss` (InfoNCE + cross-device gather), `mining` (hard negatives), `module` (the
-LightningModule), `datamodule` (the LightningDataModule), `evaluation` (held-out recall), and
-`driver` (`run_pretrain`: the whole program).
+LightningModule), `datamodule` (the LightningDataModule), `evaluation` (held-out recall),
+`console` (Lightning's screen output, one line per event) and `driver` (`run_pretrain`: the whole
+program, its one resumable checkpoint and Ctrl-C).
 """
 
 from __future__ import annotations
 
 from rmm.training.pretrain.data import Pair, UserSplit, build_pairs, restrict, split_users, turn_texts
 from rmm.training.pretrain.datamodule import PairDataModule
-from rmm.training.pretrain.driver import PretrainReport, build, make_trainer, run_pretrain
+from rmm.training.pretrain.driver import PretrainInterrupted, PretrainReport, build, make_trainer, run_pretrain
 from rmm.training.pretrain.evaluation import evaluate_heldout
 from rmm.training.pretrain.loss import contrastive_logits, contrastive_loss, gather_embeddings
 from rmm.training.pretrain.mining import mine_hard_negatives
@@ -30,7 +31,7 @@ from rmm.training.pretrain_config import PretrainConfig, PretrainConfigError
 
 __all__ = [
     "ContrastiveModule", "NoDuplicateBatchSampler", "Pair", "PairDataModule", "PretrainConfig",
-    "PretrainConfigError", "PretrainReport", "UserSplit", "build", "build_pairs", "contrastive_logits",
-    "contrastive_loss", "evaluate_heldout", "gather_embeddings", "make_trainer", "mine_hard_negatives", "restrict",
-    "run_pretrain", "split_users", "turn_texts",
+    "PretrainConfigError", "PretrainInterrupted", "PretrainReport", "UserSplit", "build", "build_pairs",
+    "contrastive_logits", "contrastive_loss", "evaluate_heldout", "gather_embeddings", "make_trainer",
+    "mine_hard_negatives", "restrict", "run_pretrain", "split_users", "turn_texts",
 ]

@@ -1,5 +1,8 @@
 """The LightningDataModule: pairs per split, pre-tokenised once, batched by `NoDuplicateBatchSampler`.
 
+Every text a batch can hold (queries, positives, and the training users' turns that hard negatives
+come from) is tokenised in one call at `setup`, so a step only pads token lists (dynamic padding: to
+the longest in the batch) — no tokeniser work per step. Batches go to the GPU from pinned memory.
 Hard negatives are re-mined with the current weights at the start of every epoch (when refresh is
 on), which is why the trainer reloads the training loader each epoch.
 """
@@ -17,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from rmm.encoders import Encoder
 from rmm.errors import DataError
-from rmm.training.pretrain.data import UserSplit, build_pairs
+from rmm.training.pretrain.data import UserSplit, build_pairs, turn_texts
 from rmm.training.pretrain.mining import mine_hard_negatives
 from rmm.training.pretrain.module import ContrastiveModule, sync_encoder_device
 from rmm.training.pretrain.sampler import NoDuplicateBatchSampler
@@ -39,6 +42,27 @@ class PairDataModule(L.LightningDataModule):
         self._tokens: dict[tuple[str, str], list[int]] = {}
         self.hard_negatives: dict[int, list[str]] = {}
         self._mined_epoch = -1
+
+    def setup(self, stage: str | None = None) -> None:
+        """Tokenise every text batches can hold, once (see the module docstring)."""
+        self.pretokenize()
+
+    def pretokenize(self) -> None:
+        config = self.encoder.config
+        pairs = [p for split in ("train", "val", "test") for p in self.pairs[split]]
+        self._ids([p.query for p in pairs], config.query_prefix)
+        passages = [p.passage for p in pairs]
+        if self.cfg.hard_negatives:
+            passages += [t for user in self.split.train for t in turn_texts(self.dataset, user).values()]
+        self._ids(passages, config.passage_prefix)
+
+    def lengths(self, split: str) -> list[int]:
+        """Tokens per pair (query + positive), what length bucketing sorts by."""
+        config = self.encoder.config
+        pairs = self.pairs[split]
+        queries = self._ids([p.query for p in pairs], config.query_prefix)
+        passages = self._ids([p.passage for p in pairs], config.passage_prefix)
+        return [len(q) + len(p) for q, p in zip(queries, passages)]
 
     def _ids(self, texts: Sequence[str], prefix: str) -> list[list[int]]:
         missing = [t for t in dict.fromkeys(texts) if (prefix, t) not in self._tokens]
@@ -77,11 +101,15 @@ class PairDataModule(L.LightningDataModule):
         """Batches of pair indices from our sampler, sharded to this rank (Lightning's is off)."""
         trainer = getattr(self, "trainer", None)
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        on_cuda = trainer is not None and trainer.strategy.root_device.type == "cuda"
+        lengths = self.lengths(split) if self.cfg.length_bucketing else None
         sampler = NoDuplicateBatchSampler(self.pairs[split], self.cfg.batch_size, seed=self.cfg.seed, shuffle=shuffle,
-                                          hard_negatives=hard_negatives, num_replicas=world, rank=rank)
+                                          hard_negatives=hard_negatives, num_replicas=world, rank=rank,
+                                          lengths=lengths)
         sampler.set_epoch(epoch)
         return DataLoader(list(range(len(self.pairs[split]))), batch_sampler=sampler,
-                          collate_fn=functools.partial(self.collate, split), num_workers=self.cfg.num_workers)
+                          collate_fn=functools.partial(self.collate, split), num_workers=self.cfg.num_workers,
+                          pin_memory=on_cuda)
 
     def mine(self) -> None:
         """Hard negatives for every training pair with the module's current weights."""

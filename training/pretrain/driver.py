@@ -1,4 +1,12 @@
-"""The driver: split → held-out recall before → fit → save the encoder → recall after (`run_pretrain`)."""
+"""The driver: split → held-out recall before → fit → save the encoder → recall after (`run_pretrain`).
+
+What a run keeps for resuming is one file, `checkpoints/last.ckpt`, rewritten at the end of every
+epoch: the weights, the AdamW moments, the LR schedule and Lightning's loop counters — everything
+`resume_from=last` needs to continue exactly where the run stopped (≈ 3 × the weights in fp32, as
+AdamW keeps two moments per weight). No "best val_loss" copy: the exported encoder is always the
+last epoch's weights, so a second copy was never read. Ctrl-C ends the run with
+`PretrainInterrupted`, which names that checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +14,12 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
+import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +27,8 @@ from typing import Any
 import lightning as L
 
 from rmm.encoders import load_encoder
+from rmm.errors import ConfigError
+from rmm.training.pretrain.console import lightning_console
 from rmm.training.pretrain.data import split_users
 from rmm.training.pretrain.datamodule import PairDataModule
 from rmm.training.pretrain.evaluation import evaluate_heldout
@@ -23,6 +37,40 @@ from rmm.training.pretrain_config import PretrainConfig
 from rmm.types import Dataset
 
 log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "last"
+
+
+class PretrainInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: says where the last checkpoint is and how to resume from it.
+
+    A KeyboardInterrupt, so callers that treat any interrupt alike (exit 130) still do."""
+
+    def __init__(self, checkpoint: Path | None) -> None:
+        self.checkpoint = checkpoint
+        if checkpoint is not None:
+            message = f"interrupted — last checkpoint at {checkpoint} (resume with resume_from={checkpoint})"
+        else:
+            message = "interrupted — no checkpoint yet (one is written at the end of every epoch when checkpoint=true)"
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def checkpoint_path(cfg: PretrainConfig) -> Path:
+    """The one checkpoint a run keeps (see the module docstring)."""
+    return Path(cfg.output_dir) / "checkpoints" / f"{CHECKPOINT_NAME}.ckpt"
+
+
+def resume_path(cfg: PretrainConfig) -> Path | None:
+    """The checkpoint `resume_from` names (`last` = this output_dir's), checked to exist."""
+    if not cfg.resume_from:
+        return None
+    path = checkpoint_path(cfg) if cfg.resume_from == "last" else Path(cfg.resume_from).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"resume_from: no checkpoint at {path}")
+    return path
 
 
 @dataclass
@@ -54,6 +102,16 @@ def _wandb_logger(cfg: PretrainConfig) -> Any:
 
     return WandbLogger(project=cfg.wandb_project, name=cfg.wandb_run_name, save_dir=cfg.output_dir,
                        config=cfg.to_dict())
+
+
+class _InterruptWatch(L.Callback):
+    """Notes a KeyboardInterrupt inside `fit`: Lightning turns it into `sys.exit(1)` after its shutdown."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+
+    def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+        self.interrupted = self.interrupted or isinstance(exception, KeyboardInterrupt)
 
 
 class _Throughput(L.Callback):
@@ -93,9 +151,10 @@ def make_trainer(cfg: PretrainConfig, callbacks: list[Any] | None = None) -> L.T
     if cfg.checkpoint:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        callbacks.append(ModelCheckpoint(dirpath=Path(cfg.output_dir) / "checkpoints", save_last=True,
-                                         save_top_k=1 if cfg.val_fraction > 0 else 0,
-                                         monitor="val_loss" if cfg.val_fraction > 0 else None))
+        # monitor=None + top-1 + a fixed name: one file, rewritten each epoch (never "-v1" copies)
+        callbacks.append(ModelCheckpoint(dirpath=checkpoint_path(cfg).parent, filename=CHECKPOINT_NAME,
+                                         monitor=None, save_top_k=1, save_last=False,
+                                         enable_version_counter=False))
     return L.Trainer(
         max_epochs=cfg.epochs, max_steps=cfg.max_steps, accelerator=cfg.accelerator, devices=cfg.devices,
         strategy=cfg.strategy, precision=resolve_precision(cfg), gradient_clip_val=cfg.grad_clip or None,
@@ -103,50 +162,108 @@ def make_trainer(cfg: PretrainConfig, callbacks: list[Any] | None = None) -> L.T
         reload_dataloaders_every_n_epochs=1 if cfg.hard_negatives and cfg.refresh_hard_negatives else 0,
         logger=_wandb_logger(cfg), callbacks=callbacks, enable_checkpointing=cfg.checkpoint,
         log_every_n_steps=cfg.log_every_n_steps, enable_progress_bar=cfg.progress, num_sanity_val_steps=0,
+        limit_val_batches=None if cfg.val_fraction > 0 else 0,  # no validation users: no loop, no warning
         default_root_dir=cfg.output_dir, enable_model_summary=False,
     )
 
 
-def run_pretrain(config: PretrainConfig, dataset: Dataset | None = None) -> PretrainReport:
-    """The whole program: split → (held-out recall before) → fit → save encoder → recall after."""
-    cfg = config
+def _recall_line(label: str, figures: dict[str, Any], ks: list[int]) -> str:
+    recalls = ", ".join(f"recall@{k} {figures[f'recall@{k}']:.3f}" for k in ks if f"recall@{k}" in figures)
+    return f"held-out {label}: {recalls} ({figures.get('n', '?')} questions)"
+
+
+def _launching_rank() -> bool:
+    """Under DDP every rank runs `run_pretrain`; only the launching one (LOCAL_RANK/NODE_RANK 0) evaluates."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
+
+
+def _fit(trainer: L.Trainer, module: ContrastiveModule, data: PairDataModule, cfg: PretrainConfig,
+         watch: _InterruptWatch) -> None:
+    """`trainer.fit`, with Ctrl-C surfacing as a KeyboardInterrupt rather than Lightning's `sys.exit(1)`
+    (Lightning also leaves SIGINT ignored after its shutdown: the handler is put back here)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigint = signal.getsignal(signal.SIGINT) if main_thread else None
+    resume = resume_path(cfg)
+    try:
+        with warnings.catch_warnings():
+            if resume is not None:  # resuming into the run's own folder is the point, not a mistake
+                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            trainer.fit(module, datamodule=data, ckpt_path=resume)
+    except SystemExit:
+        if not watch.interrupted:
+            raise
+        raise KeyboardInterrupt from None
+    finally:
+        if main_thread and sigint is not None:
+            signal.signal(signal.SIGINT, sigint)
+
+
+def run_pretrain(config: PretrainConfig, dataset: Dataset | None = None,
+                 callbacks: Sequence[L.Callback] = ()) -> PretrainReport:
+    """The whole program: split → (held-out recall before) → fit → save encoder → recall after.
+
+    `callbacks` are extra Lightning callbacks for the fit. Ctrl-C anywhere raises
+    `PretrainInterrupted` naming the last checkpoint."""
+    try:
+        with lightning_console():
+            return _run(config, dataset, list(callbacks))
+    except PretrainInterrupted:
+        raise
+    except KeyboardInterrupt:
+        last = checkpoint_path(config)
+        raise PretrainInterrupted(last if config.checkpoint and last.is_file() else None) from None
+
+
+def _run(cfg: PretrainConfig, dataset: Dataset | None, callbacks: list[L.Callback]) -> PretrainReport:
     output = Path(cfg.output_dir)
     output.mkdir(parents=True, exist_ok=True)
+    resume_path(cfg)  # a missing checkpoint is refused before any work
     module, data = build(cfg, dataset)
     log.info("pairs: train %d, val %d, test %d", *(len(data.pairs[s]) for s in ("train", "val", "test")))
     scratch = Path(tempfile.mkdtemp(prefix="eval-banks-", dir=output))
-    rerank = cfg if cfg.rerank else None
-    before: dict[str, Any] = {}
-    rerank_before: dict[str, Any] = {}
-    # under DDP every rank runs this function; only the launching rank (LOCAL_RANK unset/0) evaluates
-    if cfg.eval_before and int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0:
+    try:
+        rerank = cfg if cfg.rerank else None
+        before: dict[str, Any] = {}
+        rerank_before: dict[str, Any] = {}
+        if cfg.eval_before and _launching_rank():
+            module.model.eval()
+            before, rerank_before = evaluate_heldout(module.encoder, data.dataset, data.split.test, cfg.eval_ks,
+                                                     scratch / "before", train_users=data.split.train, rerank=rerank,
+                                                     progress=cfg.progress)
+            log.info("%s", _recall_line("recall before pretraining", before, cfg.eval_ks))
+        module.train()  # Lightning 2.6 keeps the modes it finds; the encoder was loaded for inference
+        throughput = _Throughput()
+        watch = _InterruptWatch()
+        trainer = make_trainer(cfg, [throughput, watch, *callbacks])
+        log.info("training %s on %s (%s precision%s): %d epoch(s)%s, batch %d", cfg.encoder, trainer.strategy.root_device,
+                 trainer.precision, ", torch.compile" if cfg.torch_compile else "", cfg.epochs,
+                 f", at most {cfg.max_steps} steps" if cfg.max_steps > 0 else "", cfg.batch_size)
+        started = time.perf_counter()
+        _fit(trainer, module, data, cfg, watch)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        if trainer.global_rank != 0:
+            return PretrainReport(module.encoder.name, "", data.split.describe(), {}, throughput.steps, 0.0, 0.0,
+                                  rank=trainer.global_rank)
+        log.info("trained %d steps in %.0f s (%.1f pairs/s in training steps)%s", throughput.steps,
+                 time.perf_counter() - started, throughput.pairs / throughput.seconds if throughput.seconds else 0.0,
+                 f"; checkpoint {checkpoint_path(cfg)}" if cfg.checkpoint else "")
         module.model.eval()
-        before, rerank_before = evaluate_heldout(module.encoder, data.dataset, data.split.test, cfg.eval_ks,
-                                                 scratch / "before", train_users=data.split.train, rerank=rerank,
-                                                 progress=cfg.progress)
-    module.train()  # Lightning 2.6 keeps the modes it finds; the encoder was loaded for inference
-    throughput = _Throughput()
-    trainer = make_trainer(cfg, [throughput])
-    trainer.fit(module, datamodule=data)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    if trainer.global_rank != 0:
-        return PretrainReport(module.encoder.name, "", data.split.describe(), {}, throughput.steps, 0.0, 0.0,
-                              rank=trainer.global_rank)
-    module.model.eval()
-    module.encoder.config.name = f"{module.encoder.config.name}-pretrained"
-    module.encoder.name = module.encoder.config.name
-    encoder_dir = module.export_encoder(output / "encoder")
-    log.info("pretrained encoder written to %s", encoder_dir)
-    trained = load_encoder(str(encoder_dir), device=cfg.eval_device)
-    after, rerank_after = evaluate_heldout(trained, data.dataset, data.split.test, cfg.eval_ks, scratch / "after",
-                                           train_users=data.split.train, rerank=rerank, progress=cfg.progress)
-    report = PretrainReport(
-        encoder=cfg.encoder, output=str(encoder_dir), split=data.split.describe(),
-        n_pairs={s: len(p) for s, p in data.pairs.items()}, steps=throughput.steps, seconds=throughput.seconds,
-        pairs_per_second=throughput.pairs / throughput.seconds if throughput.seconds else 0.0,
-        before=before, after=after, rerank_before=rerank_before, rerank_after=rerank_after,
-        final_train_loss=metrics.get("train_loss"), final_val_loss=metrics.get("val_loss"), config=cfg.to_dict(),
-    )
-    (output / "report.json").write_text(json.dumps(report.to_json(), indent=2, default=str))
-    shutil.rmtree(scratch, ignore_errors=True)
-    return report
+        module.encoder.config.name = f"{module.encoder.config.name}-pretrained"
+        module.encoder.name = module.encoder.config.name
+        encoder_dir = module.export_encoder(output / "encoder")
+        log.info("pretrained encoder written to %s", encoder_dir)
+        trained = load_encoder(str(encoder_dir), device=cfg.eval_device)
+        after, rerank_after = evaluate_heldout(trained, data.dataset, data.split.test, cfg.eval_ks, scratch / "after",
+                                               train_users=data.split.train, rerank=rerank, progress=cfg.progress)
+        log.info("%s", _recall_line("recall after pretraining", after, cfg.eval_ks))
+        report = PretrainReport(
+            encoder=cfg.encoder, output=str(encoder_dir), split=data.split.describe(),
+            n_pairs={s: len(p) for s, p in data.pairs.items()}, steps=throughput.steps, seconds=throughput.seconds,
+            pairs_per_second=throughput.pairs / throughput.seconds if throughput.seconds else 0.0,
+            before=before, after=after, rerank_before=rerank_before, rerank_after=rerank_after,
+            final_train_loss=metrics.get("train_loss"), final_val_loss=metrics.get("val_loss"), config=cfg.to_dict(),
+        )
+        (output / "report.json").write_text(json.dumps(report.to_json(), indent=2, default=str))
+        return report
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -95,6 +95,13 @@ class ContrastiveModule(L.LightningModule):
     def embed(self, inputs: dict[str, Tensor]) -> Tensor:
         return self.encoder.embed(inputs)
 
+    def on_fit_start(self) -> None:
+        """`torch_compile`: compile the transformer in place (`nn.Module.compile`, so parameter names,
+        checkpoints and the exported folder stay the same), with dynamic shapes since batches are
+        padded to their own longest text."""
+        if self.cfg.torch_compile and getattr(self.model, "_compiled_call_impl", None) is None:
+            self.model.compile(dynamic=True)
+
     def batch_loss(self, batch: dict[str, Any]) -> Tensor:
         queries = self.embed(batch["queries"])
         positives = self.embed(batch["positives"])

@@ -24,13 +24,21 @@ class NoDuplicateBatchSampler(torch.utils.data.Sampler[list[int]]):
     is used once per epoch. With `num_replicas` > 1 global batches of batch_size × replicas are
     built identically on every rank (same seed, same epoch) and each rank takes its slice; global
     batch sizes are kept multiples of the world size so every rank's shard has the same size.
+
+    With `lengths` (tokens per pair), the shuffled order is sorted by length within pools of
+    `bucket_pool` global batches before packing, so a batch holds pairs of similar length and
+    dynamic padding wastes little; batches are still shuffled, and every pair still used once.
     """
 
     def __init__(self, pairs: Sequence[Pair], batch_size: int, seed: int = 0, shuffle: bool = True,
-                 hard_negatives: dict[int, list[str]] | None = None, num_replicas: int = 1, rank: int = 0) -> None:
+                 hard_negatives: dict[int, list[str]] | None = None, num_replicas: int = 1, rank: int = 0,
+                 lengths: Sequence[int] | None = None, bucket_pool: int = 64) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
+        if lengths is not None and len(lengths) != len(pairs):
+            raise ValueError(f"lengths has {len(lengths)} entries for {len(pairs)} pairs")
         self.pairs, self.batch_size, self.seed, self.shuffle = pairs, batch_size, seed, shuffle
+        self.lengths, self.bucket_pool = lengths, max(1, bucket_pool)
         self.hard_negatives = hard_negatives or {}
         self.num_replicas, self.rank, self.epoch = num_replicas, rank, 0
         self._cache: tuple[int, list[list[int]]] | None = None
@@ -46,6 +54,10 @@ class NoDuplicateBatchSampler(torch.utils.data.Sampler[list[int]]):
         if self.shuffle:
             rng.shuffle(order)
         size = self.batch_size * self.num_replicas
+        if self.lengths is not None:
+            lengths, pool = self.lengths, size * self.bucket_pool
+            order = [i for start in range(0, len(order), pool)
+                     for i in sorted(order[start:start + pool], key=lambda j: lengths[j])]
         batches: list[dict[str, Any]] = []
         open_batches: list[dict[str, Any]] = []
         for index in order:

