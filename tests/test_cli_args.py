@@ -88,11 +88,9 @@ def test_bad_values_are_one_error_line_before_any_work(argv, named, capsys, no_w
     assert "Traceback" not in captured.err + captured.out and captured.out == ""
 
 
-def test_train_names_llm_citers_it_cannot_use_yet(capsys) -> None:
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["train", "--citer", "hf:/models/qwen"])
-    error = capsys.readouterr().err.splitlines()[-1]
-    assert "hf" in error and "simulated" in error and "for now" in error
+def test_train_takes_llm_citers_and_names_bad_specs(capsys) -> None:
+    for spec in ("hf:/models/qwen", "vllm:/models/qwen", "openai:http://127.0.0.1:8000/v1@qwen", "simulated"):
+        assert build_parser().parse_args(["train", "--citer", spec]).citer == spec  # issue 13: real generators
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--citer", "gpt4"])
     error = capsys.readouterr().err.splitlines()[-1]

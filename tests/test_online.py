@@ -38,25 +38,30 @@ class TableEncoder:
 def hidden_feature_problem(n_users: int = 6, n_questions: int = 30, seed: int = 0):
     """Gold turns carry a feature (dim 15) the query never looks at, while three decoy turns per
     question match the query slightly better; every query has a constant component (dim 14)
-    through which a learned W_m can reward the feature. Only citations reveal it."""
+    through which a learned W_m can reward the feature. Only citations reveal it.
+
+    Question j's four turns are the conversation's session j+1, so a cut by dialogue time can hold
+    out a user's later questions without their evidence ever being shown in training."""
     g = torch.Generator().manual_seed(seed)
     table: dict[str, torch.Tensor] = {}
     sessions, questions = {}, []
     for u in range(n_users):
         user = f"u{u}"
-        turns = []
+        sessions[user] = []
         for j in range(n_questions):
             topic = torch.randn(12, generator=g)
             table[f"{user} q{j}"] = torch.cat([topic, torch.tensor([0.0, 0.0, 1.0, 0.0])])
+            turns = []
             for i, (scale, hidden) in enumerate([(0.6, 1.0), (0.7, 0.0), (0.7, 0.0), (0.7, 0.0)]):
                 text = f"{user} turn {j}.{i}"
                 noise = torch.randn(12, generator=g) * 0.05
                 table[text] = torch.cat([topic * scale + noise, torch.tensor([0.0, 0.0, 0.0, hidden])])
-                turns.append(Turn(id=f"{user}:D1:{4 * j + i}", session_id=f"{user}:S1", speaker="A", text=text))
+                turns.append(Turn(id=f"{user}:D1:{4 * j + i}", session_id=f"{user}:S{j + 1}", speaker="A",
+                                  text=text))
             questions.append(Question(id=f"{user}:q{j}", user_id=user, text=f"{user} q{j}", answer="",
-                                      evidence_turns=[f"{user}:D1:{4 * j}"], evidence_sessions=[f"{user}:S1"],
+                                      evidence_turns=[f"{user}:D1:{4 * j}"], evidence_sessions=[f"{user}:S{j + 1}"],
                                       category=1))
-        sessions[user] = [Session(id=f"{user}:S1", user_id=user, turns=turns)]
+            sessions[user].append(Session(id=f"{user}:S{j + 1}", user_id=user, turns=turns))
     return Dataset("synthetic", sessions, questions, {1: "synthetic"}), TableEncoder(table)
 
 
@@ -197,16 +202,49 @@ def test_resume_refuses_a_different_configuration(problem, tmp_path):
         OnlineTrainer(dataset, bank, config(epochs=1, lr=1e-2), output_dir=out, progress=False).run()
 
 
-def test_shared_split_holds_out_whole_users_and_per_user_holds_out_last_questions(problem):
+def test_shared_split_holds_out_whole_users(problem):
     dataset, _ = problem
     shared = split_questions(dataset, dataset.questions, config())
     assert not set(shared.train_users) & set(shared.heldout_users)
     assert {q.user_id for q in shared.heldout} == set(shared.heldout_users)
-    per_user = split_questions(dataset, dataset.questions, config(per_user=True))
+    assert not shared.dropped and not shared.visible_sessions
+
+
+def test_per_user_split_holds_out_by_dialogue_time_and_drops_questions_spanning_the_cut(problem):
+    """A held-out question's evidence lies entirely in sessions no training question could retrieve
+    from; a question whose evidence spans both parts is dropped, and the description counts it."""
+    dataset, _ = problem
+    # Questions 0 and 25 of u0 cite a turn of the first and of the last session too: they span any cut.
+    first, last = dataset.sessions["u0"][0].turns[1].id, dataset.sessions["u0"][-1].turns[1].id
+    spanning = {"u0:q0": last, "u0:q25": first}
+    questions = [dataclasses.replace(q, evidence_turns=[*q.evidence_turns, spanning[q.id]])
+                 if q.id in spanning else q for q in dataset.questions]
+    dataset = dataclasses.replace(dataset, questions=questions)
+    split = split_questions(dataset, dataset.questions, config(per_user=True))
+    assert {q.id for q in split.dropped} == set(spanning)
+    assert "2 dropped because their evidence spans both parts" in split.description
+    session_of = {t.id: s.id for ss in dataset.sessions.values() for s in ss for t in s.turns}
     for user in dataset.users:
-        mine = [q.id for q in dataset.questions if q.user_id == user]
-        held = [q.id for q in per_user.heldout if q.user_id == user]
-        assert held == mine[-len(held):] and 0 < len(held) < len(mine)
+        visible = split.visible_sessions[user]
+        train = [q for q in split.train if q.user_id == user]
+        held = [q for q in split.heldout if q.user_id == user]
+        assert train and held
+        assert all(session_of[t] in visible for q in train for t in q.evidence_turns)
+        assert not any(session_of[t] in visible for q in held for t in q.evidence_turns)
+        assert len(held) / (len(held) + len(train)) == pytest.approx(0.34, abs=0.05)
+    assert len(split.train) + len(split.heldout) + len(split.dropped) == len(dataset.questions)
+
+
+def test_per_user_training_never_shows_held_out_evidence(problem):
+    """Training questions retrieve from their user's earlier sessions only, so no held-out question's
+    gold turn can be shown — and rewarded — while training."""
+    dataset, bank = problem
+    trainer = OnlineTrainer(dataset, bank, config(per_user=True, epochs=1), progress=False)
+    cands = trainer.candidates(trainer.split.train, trainer.split.visible_sessions)
+    shown = {ref for q in trainer.split.train for mid in cands[q.id].memory_ids for ref in trainer.refs[mid]}
+    held_gold = {t for q in trainer.split.heldout for t in q.evidence_turns}
+    assert shown and not shown & held_gold
+    assert all(len(cands[q.id]) == 10 for q in trainer.split.train)  # K still filled from the visible sessions
 
 
 def test_per_user_mode_trains_one_reranker_per_user(problem):

@@ -4,59 +4,64 @@ For every question of the training conversations, in dialogue order:
   1. retrieve K with the frozen retriever;
   2. score the *current* reranker greedily (top-M) — the prequential metric, computed before the
      question's own update ever happens;
-  3. sample M with Gumbel, let the citer cite, turn citations into rewards, let the learner learn.
+  3. sample M with Gumbel (the Selection keeps its behaviour log-probability), let the citer cite,
+     turn citations into rewards, let the learner learn.
 After training, held-out questions are scored greedily, beside the retriever alone on the same
-questions. Shared mode holds out whole conversations; per-user mode (one reranker per user) holds
-out the last questions of every conversation.
+questions (`rmm.training.splits` says which questions train and which are held out).
+
+The citer is the simulated one (synchronous) or a real generator (`rmm.training.generation`),
+which `rmm.training.stream` keeps busy with many questions in flight: rewards then arrive out of
+order while the learner keeps updating, and each selection's own behaviour log-probability lets
+the learner correct for the staleness. `delay` holds rewarded selections in a FIFO for that many
+learner updates before they are delivered, to measure the effect of staleness.
 
 Resumable: with an output directory, the learners (one `LearnerRegistry` under `rerankers/`: the
 shared one at its root, per-user ones under `rerankers/users/`, the layout the agent and
-`rmm serve` use) and the stream position (`state.json`) are checkpointed every `checkpoint_every`
-questions; every random draw is derived from (seed, epoch, question), so a resumed run draws
-exactly what an uninterrupted one would.
+`rmm serve` use) and which stream items were rewarded (`state.json`) are checkpointed every
+`checkpoint_every` rewarded questions and when the run stops on an error or Ctrl-C; a resumed
+run re-asks the questions that were in flight. Every random draw is derived from (seed, epoch,
+question), so a resumed simulated run draws exactly what an uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
-import math
-import os
-import random
-import tempfile
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from rmm.training.online_plot import plot, running_mean
 from tqdm.auto import tqdm
 
-from rmm.errors import CheckpointError, ConfigError
-from rmm.eval.retrieval import (
-    SEPARATE_CATEGORIES,
-    GoldScorer,
-    RetrievalReport,
-    scorable,
-    summarize,
-)
+from rmm.errors import CheckpointError, ConfigError, LLMError
+from rmm.eval.retrieval import GoldScorer, scorable
+from rmm.llm import LLM, Usage
 from rmm.llm.simulated import SimulatedCiter
 from rmm.memory.bank import MemoryBank
-from rmm.policy.citations import parse_citations
-from rmm.policy.learner import Learner, LearnerConfig, rewards_from_citations
+from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.registry import SHARED, LearnerRegistry
-from rmm.policy.retrieve import RerankedRetriever
-from rmm.types import Candidates, Dataset, Question
+from rmm.policy.reranker import candidate_subset
+from rmm.training.generation import GenerationStats, Reply, citer_kind, in_process, simulated_reply
+from rmm.training.online_plot import plot
+from rmm.training.online_report import OnlineReport, build_report, headline, headline_questions
+from rmm.training.online_state import STATE_VERSION, Done, atomic_write_json, learner_progress
+from rmm.training.splits import Split, split_questions
+from rmm.types import Candidates, Dataset, Memory, Question, Selection
 
-__all__ = ["OnlineConfig", "OnlineReport", "OnlineTrainer", "Split", "headline", "headline_questions", "plot",
-           "split_questions"]
+__all__ = ["CITERS", "Asked", "OnlineConfig", "OnlineReport", "OnlineTrainer", "Split", "headline",
+           "headline_questions", "plot", "split_questions"]
 
 log = logging.getLogger(__name__)
 
-CITERS = ("simulated",)
-STATE_VERSION = 2  # 2: learners in a LearnerRegistry under rerankers/ (1 had rerankers/0000, …)
+CITERS = ("simulated", "openai", "hf", "vllm")  # rmm.llm spec kinds
+# Settings a resumed run may change: how fast it runs, not what it learns.
+RUNTIME_SETTINGS = ("concurrency", "llm_batch", "checkpoint_every", "llm_threads")
+
 
 @dataclass
 class OnlineConfig:
@@ -78,77 +83,58 @@ class OnlineConfig:
     eval_k: int = 5
     checkpoint_every: int = 200
     recipe: str = "paper"
+    structured: bool = False  # JSON-schema answers (ANSWER_SCHEMA) from a real generator
+    max_tokens: int = 256  # per reply of a real generator
+    concurrency: int = 16  # requests in flight on an openai: server
+    llm_batch: int = 16  # questions per generate call of an in-process (hf:, vllm:) generator
+    llm_threads: int | None = None  # CPU threads of an hf: generator
+    delay: int = 0  # learner updates a rewarded selection waits before it is delivered
+    limit: int | None = None  # train on the first `limit` training questions only
+    credit: str = LearnerConfig.credit  # per-pick | reward-to-go | sequence (rmm.policy.credit)
+    importance: bool = LearnerConfig.importance  # weight stale selections by min(is_clip, π/μ)
+    is_clip: float = LearnerConfig.is_clip
 
     def __post_init__(self) -> None:
-        if self.citer not in CITERS:
-            raise ValueError(f"citer must be one of {CITERS} (a real LLM citer arrives with the agent); got {self.citer!r}")
+        try:
+            kind = citer_kind(self.citer)
+        except LLMError as error:
+            raise ValueError(f"citer must be simulated or an LLM spec: {str(error).splitlines()[0]}") from None
+        if kind not in CITERS:
+            raise ValueError(f"citer must be one of {CITERS}, got {self.citer!r}")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
         if self.m > self.k:
             raise ValueError(f"M={self.m} must not exceed K={self.k}")
         if self.epochs < 1:
             raise ValueError(f"epochs must be ≥ 1, got {self.epochs}")
+        for name in ("concurrency", "llm_batch", "max_tokens", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.delay < 0 or (self.limit is not None and self.limit < 1):
+            raise ValueError(f"delay must be ≥ 0 and limit ≥ 1, got {self.delay}, {self.limit}")
 
     def learner_config(self) -> LearnerConfig:
         return LearnerConfig(lr=self.lr, batch_size=self.batch_size, baseline=self.baseline, tau=self.tau,
-                             estimator=self.estimator, optimizer=self.optimizer)
+                             estimator=self.estimator, optimizer=self.optimizer, credit=self.credit,
+                             importance=self.importance, is_clip=self.is_clip)
+
+    def resumable_as(self) -> dict[str, Any]:
+        """The settings a resumed run must share with the run it continues."""
+        return {k: v for k, v in asdict(self).items() if k not in RUNTIME_SETTINGS}
 
 
 @dataclass
-class Split:
-    """Which questions train and which are held out, printed so a reader can check it."""
+class Asked:
+    """One stream item between its selection and the delivery of its rewards."""
 
-    train: list[Question]
-    heldout: list[Question]
-    train_users: list[str]
-    heldout_users: list[str]
-    description: str
-
-
-def split_questions(dataset: Dataset, questions: list[Question], cfg: OnlineConfig) -> Split:
-    by_user: dict[str, list[Question]] = defaultdict(list)
-    for q in questions:
-        by_user[q.user_id].append(q)
-    users = [u for u in dataset.users if by_user[u]]
-    if cfg.per_user:
-        train, held = [], []
-        for u in users:
-            cut = len(by_user[u]) - max(1, round(len(by_user[u]) * cfg.heldout_fraction))
-            train += by_user[u][:cut]
-            held += by_user[u][cut:]
-        desc = (f"per-user: first {1 - cfg.heldout_fraction:.0%} of each conversation's questions train, "
-                f"last {cfg.heldout_fraction:.0%} held out ({len(train)} / {len(held)} questions, {len(users)} users)")
-        return Split(train, held, users, users, desc)
-    if len(users) < 2:
-        raise ValueError("a shared reranker needs ≥ 2 users to hold one out; use per_user=True")
-    shuffled = users[:]
-    random.Random(cfg.seed).shuffle(shuffled)
-    n_held = min(len(users) - 1, max(1, round(len(users) * cfg.heldout_fraction)))
-    held_users, train_users = sorted(shuffled[:n_held]), [u for u in users if u not in shuffled[:n_held]]
-    train = [q for u in train_users for q in by_user[u]]
-    held = [q for u in held_users for q in by_user[u]]
-    desc = (f"shared reranker: train on {', '.join(train_users)} ({len(train)} questions); "
-            f"held out {', '.join(held_users)} ({len(held)} questions)")
-    return Split(train, held, train_users, held_users, desc)
-
-
-@dataclass
-class OnlineReport:
-    retriever: dict[str, Any]
-    reranker_prequential: dict[str, Any]
-    retriever_heldout: dict[str, Any]
-    reranker_heldout: dict[str, Any]
-    reranker_heldout_whole_bank: dict[str, Any]
-    citer: str
-    split: str
-    config: dict[str, Any]
-    cited_ratio: list[float] = field(default_factory=list)
-    prequential_curve: dict[str, list[float]] = field(default_factory=dict)  # running means, headline questions
-    learner: dict[str, Any] = field(default_factory=dict)
-    headline_questions: str = ""  # which questions the table's figures and the curves cover
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    index: int
+    epoch: int
+    question: Question
+    key: str  # the learner's
+    selection: Selection
+    shown: list[Memory]
+    rows: dict[str, dict[str, float]] = field(default_factory=dict)  # prequential scores, epoch 0
+    step: int = 0  # the learner's optimizer step when it sampled
 
 
 class OnlineTrainer:
@@ -156,21 +142,34 @@ class OnlineTrainer:
 
     def __init__(self, dataset: Dataset, bank: MemoryBank, cfg: OnlineConfig, *,
                  output_dir: str | Path | None = None, progress: bool = True,
-                 wandb_run: Any | None = None) -> None:
+                 wandb_run: Any | None = None, llm: LLM | None = None) -> None:
         self.dataset, self.bank, self.cfg = dataset, bank, cfg
         self.output_dir = Path(output_dir) if output_dir else None
         self.progress, self.wandb_run = progress, wandb_run
+        self.kind = citer_kind(cfg.citer)
+        self.llm, self._owns_llm = llm, False
         self.scorer = GoldScorer.for_dataset(dataset, "turn")
         self.split = split_questions(dataset, scorable(dataset.questions, self.scorer), cfg)
         root = self.output_dir / "rerankers" if self.output_dir else None
         self.learners = LearnerRegistry(bank.dim, cfg.learner_config(), encoder_name=bank.encoder.fingerprint,
                                         device=bank.device, root=root, subdir="users")
         self.refs: dict[str, list[str]] = {}
+        self.memories: dict[str, Memory] = {}
+        train = self.split.train[: cfg.limit] if cfg.limit else self.split.train
+        self.stream: list[tuple[int, Question]] = [(e, q) for e in range(cfg.epochs) for q in train]
+        self.cands: dict[str, Candidates] = {}
         # Stream state (everything a resume needs besides the learners).
-        self.position = 0
+        self.done = Done()
         self._recorded: set[str] = set()  # keys whose checkpoints state.json vouches for
         self.rows: dict[str, dict[str, dict[str, float]]] = {"retriever": {}, "reranker": {}}
         self.cited_ratio: list[float] = []
+        self.stats = GenerationStats()
+        self.staleness = {"updates": 0, "sum": 0, "max": 0}
+        self._delayed: dict[str, deque[tuple[Asked, list[float]]]] = defaultdict(deque)
+        self._settled = True  # False while a delivery is half done: no checkpoint then
+        self._usage_seen = Usage()
+        self._clock = time.perf_counter()
+        self._saved_at = 0
 
     # -- pieces -----------------------------------------------------------------------------
     def learner_for(self, user: str) -> Learner:
@@ -181,17 +180,30 @@ class OnlineTrainer:
                 self.learners.drop(key, delete_checkpoint=True)
         return self.learners.get(key)
 
-    def candidates(self, questions: list[Question]) -> dict[str, Candidates]:
-        """The frozen retriever's top-K for every question, computed once per user."""
+    def candidates(self, questions: list[Question], visible: dict[str, frozenset[str]] | None = None
+                   ) -> dict[str, Candidates]:
+        """The frozen retriever's top-K for every question, computed once per user; a user named in
+        `visible` retrieves only memories of those sessions (the bank as it stood then)."""
         by_user: dict[str, list[Question]] = defaultdict(list)
         for q in questions:
             by_user[q.user_id].append(q)
         out: dict[str, Candidates] = {}
         for user, qs in by_user.items():
-            for q, c in zip(qs, self.bank.search([q.text for q in qs], user, self.cfg.k)):
+            memories = self.bank.memories(user)
+            self.refs.update({m.id: m.refs for m in memories})
+            self.memories.update({m.id: m for m in memories})
+            sessions = (visible or {}).get(user)
+            hidden = 0 if sessions is None else sum(1 for m in memories if not self._within(m, sessions))
+            depth = min(self.cfg.k + hidden, max(len(memories), 1))
+            for q, c in zip(qs, self.bank.search([q.text for q in qs], user, depth)):
+                if sessions is not None:
+                    keep = [i for i, mid in enumerate(c.memory_ids) if self._within(self.memories[mid], sessions)]
+                    c = candidate_subset(c, keep[: self.cfg.k])
                 out[q.id] = c
-            self.refs.update({m.id: m.refs for m in self.bank.memories(user)})
         return out
+
+    def _within(self, memory: Memory, sessions: frozenset[str]) -> bool:
+        return all(self.scorer.turn_session.get(r) in sessions for r in memory.refs)
 
     def score(self, cand: Candidates, order: list[int], q: Question) -> dict[str, float]:
         ranked = [self.refs[cand.memory_ids[i]] for i in order[: self.cfg.eval_k]]
@@ -201,98 +213,169 @@ class OnlineTrainer:
         """The current reranker's full order of the candidates (scored at eval_k, like the retriever)."""
         return self.learner_for(user).reranker.select([cand], len(cand))[0].chosen
 
-    def step(self, q: Question, cand: Candidates, epoch: int) -> None:
-        """One question of the stream: prequential score, then sample → cite → reward → learn."""
+    # -- one stream item: ask, answer, deliver ------------------------------------------------------
+    def ask(self, index: int) -> Asked:
+        """Prequential scores under the current weights, then the Gumbel-sampled selection."""
+        epoch, q = self.stream[index]
+        cand = self.cands[q.id]
         learner = self.learner_for(q.user_id)
+        rows = {}
         if epoch == 0:
-            self.rows["retriever"][q.id] = self.score(cand, list(range(len(cand))), q)
-            self.rows["reranker"][q.id] = self.score(cand, self.greedy(cand, q.user_id), q)
-        draw = _seed(self.cfg.seed, epoch, q.id)
-        m = min(self.cfg.m, len(cand))
-        selection = learner.reranker.select([cand], m, tau=self.cfg.tau, explore=True,
-                                            generator=torch.Generator().manual_seed(draw))[0]
-        gold = self.scorer.gold(q)
-        hits = [bool(set(self.refs[mid]) & gold) for mid in selection.memory_ids]
-        text = SimulatedCiter(self.cfg.precision, self.cfg.recall, seed=draw).respond(hits)
-        citation = parse_citations(text, m)
-        self.cited_ratio.append(len(citation.cited or []) / m)
-        loss = learner.record(selection, rewards_from_citations(m, citation.cited, citation.no_cite))
-        if self.wandb_run is not None:
-            self.wandb_run.log({"cited_ratio": self.cited_ratio[-1], "epoch": epoch,
+            rows = {"retriever": self.score(cand, list(range(len(cand))), q),
+                    "reranker": self.score(cand, self.greedy(cand, q.user_id), q)}
+        generator = torch.Generator().manual_seed(_seed(self.cfg.seed, epoch, q.id))
+        selection = learner.select([cand], min(self.cfg.m, len(cand)), explore=True, generator=generator)[0]
+        return Asked(index, epoch, q, q.user_id if self.cfg.per_user else SHARED, selection,
+                     [self.memories[mid] for mid in selection.memory_ids], rows, learner.stats.step)
+
+    def step(self, index: int) -> None:
+        """One stream item with the simulated citer: ask, cite, answer — all at once."""
+        asked = self.ask(index)
+        gold = self.scorer.gold(asked.question)
+        hits = [bool(set(m.refs) & gold) for m in asked.shown]
+        citer = SimulatedCiter(self.cfg.precision, self.cfg.recall, seed=_seed(self.cfg.seed, asked.epoch,
+                                                                               asked.question.id))
+        self.answer(asked, simulated_reply(citer, hits))
+
+    def answer(self, asked: Asked, reply: Reply) -> None:
+        """A reply arrived: count it; deliver its rewards now, or after `delay` learner updates."""
+        self.stats.count(reply, len(asked.selection.chosen))
+        if reply.rewards is None or not self.cfg.delay:
+            self._deliver(asked, reply.rewards)
+            return
+        queue = self._delayed[asked.key]
+        queue.append((asked, reply.rewards))
+        while len(queue) > self.cfg.delay * self.learners.get(asked.key).config.batch_size:
+            self._deliver(*queue.popleft())
+
+    def _deliver(self, asked: Asked, rewards: list[float] | None) -> None:
+        """Rewards reach the learner, and the item counts as done — together, or not at all."""
+        learner = self.learners.get(asked.key)
+        self._settled = False
+        if rewards is not None:
+            lag = learner.stats.step - asked.step
+            self.staleness.update(updates=self.staleness["updates"] + 1, sum=self.staleness["sum"] + lag,
+                                  max=max(self.staleness["max"], lag))
+        loss = learner.record(asked.selection, None if rewards is None else torch.tensor(rewards))
+        self.done.add(asked.index)
+        for name, row in asked.rows.items():
+            self.rows[name][asked.question.id] = row
+        if rewards is not None:
+            self.cited_ratio.append(sum(r > 0 for r in rewards) / max(len(rewards), 1))
+        self._settled = True
+        if self.wandb_run is not None and rewards is not None:
+            self.wandb_run.log({"cited_ratio": self.cited_ratio[-1], "epoch": asked.epoch,
                                 **({"loss": loss} if loss is not None else {})})
+        if self.output_dir and len(self.done) - self._saved_at >= self.cfg.checkpoint_every:
+            self._checkpoint()
+
+    def drain(self) -> None:
+        """End of the stream: every delayed reward is delivered, every buffer updates."""
+        for queue in self._delayed.values():
+            while queue:
+                self._deliver(*queue.popleft())
+        for key in self.learners:
+            self.learners.get(key).flush()
 
     # -- the program --------------------------------------------------------------------------
     def run(self) -> OnlineReport:
-        cfg = self.cfg
         log.info("%s", self.split.description)
-        cands = self.candidates(self.split.train + self.split.heldout)
-        stream = [(e, q) for e in range(cfg.epochs) for q in self.split.train]
+        self.cands = self.candidates(self.split.train, self.split.visible_sessions)
+        self.cands.update(self.candidates(self.split.heldout))
         if self.output_dir and (self.output_dir / "state.json").exists():
             self._resume()
         elif self.output_dir and (self.output_dir / "rerankers").exists():
             raise CheckpointError(f"{self.output_dir} holds reranker checkpoints but no state.json to resume from; "
                                   "use another --output directory")
-        bar = tqdm(total=len(stream), initial=self.position, desc="online training", unit="q",
-                   disable=not self.progress)
-        while self.position < len(stream):
-            epoch, q = stream[self.position]
-            self.step(q, cands[q.id], epoch)
-            self.position += 1
-            bar.update(1)
-            if self.output_dir and self.position % cfg.checkpoint_every == 0:
-                self._checkpoint()
-        bar.close()
-        for key in self.learners:
-            self.learners.get(key).flush()
+        todo = list(self.done.missing(len(self.stream)))
+        bar = tqdm(total=len(self.stream), initial=len(self.done), desc=f"online training ({self.kind} citer)",
+                   unit="q", disable=not self.progress)
+        self._clock = time.perf_counter()
+        try:
+            if self.kind == "simulated":
+                for index in todo:
+                    self.step(index)
+                    bar.update(1)
+                    bar.set_postfix(cited=f"{self.stats.cited / max(self.stats.shown, 1):.3f}", refresh=False)
+            else:
+                from rmm.training.stream import drive
+
+                asyncio.run(drive(self, todo, bar))
+            self.drain()
+        except LLMError as error:
+            self._stop()
+            raise LLMError(f"{str(error).splitlines()[0]} — stopped after {len(self.done)} of {len(self.stream)} "
+                           f"questions{self._resume_hint()}") from error
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            bar.close()
+        self._account()
         if self.output_dir:
             self._checkpoint()
-        held: dict[str, dict[str, dict[str, float]]] = {"retriever": {}, "reranker": {}, "reranker_bank": {}}
-        for q in self.split.heldout:
-            c = cands[q.id]
-            held["retriever"][q.id] = self.score(c, list(range(len(c))), q)
-            held["reranker"][q.id] = self.score(c, self.greedy(c, q.user_id), q)
-        for user in dict.fromkeys(q.user_id for q in self.split.heldout):
-            # Reranker-aware first stage: search the whole bank with the learned query transform.
-            qs = [q for q in self.split.heldout if q.user_id == user]
-            whole = RerankedRetriever(self.bank, self.learner_for(user).reranker, k=cfg.k, m=cfg.m, scope="bank")
-            for q, sel in zip(qs, whole.select([q.text for q in qs], user)):
-                held["reranker_bank"][q.id] = self.score(sel.candidates, sel.chosen, q)
-        return self._report(held)
+        self._close_llm()
+        return build_report(self)
 
-    def _report(self, held: dict[str, dict[str, dict[str, float]]]) -> OnlineReport:
-        def summary(rows: dict[str, dict[str, float]], qs: list[Question]) -> dict[str, Any]:
-            rep: RetrievalReport = summarize(self.dataset, rows, qs, retriever="", granularity="turn",
-                                             ks=[self.cfg.eval_k])
-            return {**rep.overall, "by_category": rep.by_category}
+    def generator(self) -> LLM:
+        """The real generator, loaded from the citer spec on first use (unless one was given)."""
+        if self.llm is None:
+            from rmm.llm import load_llm
 
-        train_qs = [q for q in self.split.train if q.id in self.rows["reranker"]]
-        # The curves cover the questions `summarize` puts in the headline, so they end at the table's figures.
-        separate = set(SEPARATE_CATEGORIES.get(self.dataset.name, ()))
-        metric = f"recall@{self.cfg.eval_k}"
-        curve = {name: running_mean([rows[q.id][metric] for q in train_qs if q.category not in separate])
-                 for name, rows in self.rows.items()}
-        learners = {k: asdict(learner.stats) for k, learner in self.learners.items()}
-        return OnlineReport(
-            retriever=summary(self.rows["retriever"], train_qs),
-            reranker_prequential=summary(self.rows["reranker"], train_qs),
-            retriever_heldout=summary(held["retriever"], self.split.heldout),
-            reranker_heldout=summary(held["reranker"], self.split.heldout),
-            reranker_heldout_whole_bank=summary(held["reranker_bank"], self.split.heldout),
-            citer=f"{self.cfg.citer} (precision {self.cfg.precision}, recall {self.cfg.recall})",
-            split=self.split.description, config=asdict(self.cfg), cited_ratio=self.cited_ratio,
-            prequential_curve=curve, learner=learners if self.cfg.per_user else learners.get(SHARED, {}),
-            headline_questions=headline_questions(self.dataset),
-        )
+            options: dict[str, Any] = {}
+            if self.kind == "openai":
+                options["concurrency"] = self.cfg.concurrency
+            elif self.kind == "hf":
+                options["batch_size"] = self.cfg.llm_batch
+                if self.cfg.llm_threads:
+                    options["threads"] = self.cfg.llm_threads
+            self.llm, self._owns_llm = load_llm(self.cfg.citer, **options), True
+        return self.llm
 
+    def in_flight_limit(self) -> tuple[int, int]:
+        """(calls in flight, questions per call): many single requests on a server, one batch in process."""
+        return (1, self.cfg.llm_batch) if in_process(self.cfg.citer) else (self.cfg.concurrency, 1)
+
+    def _stop(self) -> None:
+        """A failed or interrupted run keeps what it has learned: a checkpoint when one is consistent."""
+        self._account()
+        if self.output_dir and self._settled:
+            self._checkpoint()
+        self._close_llm()
+
+    def _resume_hint(self) -> str:
+        return f"; checkpoint in {self.output_dir}: run the same command to resume" if self.output_dir else ""
+
+    def _close_llm(self) -> None:
+        if self._owns_llm and self.llm is not None:
+            self.llm.close()
+            self.llm, self._owns_llm = None, False
+
+    def _account(self) -> None:
+        """Fold the generator's usage and the stream's wall time since the last call into the stats."""
+        now = time.perf_counter()
+        self.stats.seconds += now - self._clock
+        self._clock = now
+        if self.llm is not None:
+            usage = self.llm.usage
+            self.stats.add_usage(Usage(usage.calls - self._usage_seen.calls,
+                                       usage.prompt_tokens - self._usage_seen.prompt_tokens,
+                                       usage.completion_tokens - self._usage_seen.completion_tokens))
+            self._usage_seen = Usage(usage.calls, usage.prompt_tokens, usage.completion_tokens)
+
+    # -- checkpoints --------------------------------------------------------------------------------
     def _checkpoint(self) -> None:
         """Learners first, then the stream state that names how far each one got."""
         assert self.output_dir is not None
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._account()
         self.learners.save()  # those that learned since the last checkpoint
-        state = {"version": STATE_VERSION, "position": self.position, "rows": self.rows,
-                 "cited_ratio": self.cited_ratio, "learners": {k: _progress(lr) for k, lr in self.learners.items()},
-                 "config": asdict(self.cfg)}
-        _atomic_write_json(self.output_dir / "state.json", state)
+        state = {"version": STATE_VERSION, "done": self.done.to_json(), "rows": self.rows,
+                 "cited_ratio": self.cited_ratio, "stats": asdict(self.stats), "staleness": self.staleness,
+                 "learners": {k: learner_progress(lr) for k, lr in self.learners.items()},
+                 "config": self.cfg.resumable_as()}
+        atomic_write_json(self.output_dir / "state.json", state)
+        self._saved_at = len(self.done)
 
     def _resume(self) -> None:
         assert self.output_dir is not None
@@ -300,59 +383,20 @@ class OnlineTrainer:
         if state.get("version") != STATE_VERSION:
             raise CheckpointError(f"{self.output_dir} holds a run written by an older rmm (another checkpoint "
                                   "layout); it cannot be resumed: use another --output directory")
-        if state["config"] != asdict(self.cfg):
+        if state["config"] != self.cfg.resumable_as():
             raise ConfigError(f"{self.output_dir} holds a run with a different configuration; "
                               "use another --output directory or the same settings")
-        self.position, self.rows, self.cited_ratio = state["position"], state["rows"], state["cited_ratio"]
-        self._recorded = set(state["learners"])
+        self.done, self.rows, self.cited_ratio = Done.from_json(state["done"]), state["rows"], state["cited_ratio"]
+        self.stats, self.staleness = GenerationStats(**state["stats"]), state["staleness"]
+        self._recorded, self._saved_at = set(state["learners"]), len(self.done)
         for key, progress in state["learners"].items():
-            if _progress(self.learners.get(key)) != progress:  # loaded from rerankers/
+            if learner_progress(self.learners.get(key)) != progress:  # loaded from rerankers/
                 who = repr(key) if key else "the shared learner"
                 raise CheckpointError(f"{self.output_dir}: the reranker checkpoint of {who} does not match "
                                       "state.json (interrupted while saving); use another --output directory")
-        log.info("resumed at question %d of the stream", self.position)
-
-
-def _progress(learner: Learner) -> list[int]:
-    """How far a learner got: what a resumed run checks its checkpoint against."""
-    return [learner.stats.records, learner.stats.skipped_no_citation, learner.pending, learner.stats.step]
+        log.info("resumed with %d of %d questions rewarded; the rest (in flight ones included) are asked",
+                 len(self.done), len(self.stream))
 
 
 def _seed(seed: int, epoch: int, qid: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}|{epoch}|{qid}".encode()).digest()[:8], "little") >> 1
-
-
-def _atomic_write_json(path: Path, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def headline_questions(dataset: Dataset) -> str:
-    """Which questions the headline figures cover, in words (e.g. LoCoMo without category 5)."""
-    separate = SEPARATE_CATEGORIES.get(dataset.name, ())
-    if not separate:
-        return "all categories"
-    kept = sorted(c for c in dataset.categories if c not in separate)
-    run = len(kept) > 2 and kept == list(range(kept[0], kept[-1] + 1))
-    span = f"{kept[0]}–{kept[-1]}" if run else ", ".join(map(str, kept))
-    left_out = ", ".join(f"{c} {dataset.categories.get(c, '')}".strip() for c in separate)
-    return f"{dataset.name} categories {span}; {left_out} reported apart"
-
-
-def headline(report: OnlineReport) -> list[tuple[str, float, float]]:
-    """(metric, retriever, reranker) rows for the before/after table."""
-    k = report.config["eval_k"]
-    rows = []
-    for metric in (f"recall@{k}", f"recall_any@{k}", f"ndcg@{k}"):
-        rows.append((f"prequential {metric}", report.retriever.get(metric, math.nan),
-                     report.reranker_prequential.get(metric, math.nan)))
-    for metric in (f"recall@{k}", f"recall_any@{k}", f"ndcg@{k}"):
-        rows.append((f"held-out {metric}", report.retriever_heldout.get(metric, math.nan),
-                     report.reranker_heldout.get(metric, math.nan)))
-    rows.append((f"held-out recall@{k}, whole-bank search", report.retriever_heldout.get(f"recall@{k}", math.nan),
-                 report.reranker_heldout_whole_bank.get(f"recall@{k}", math.nan)))
-    return rows

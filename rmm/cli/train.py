@@ -34,6 +34,8 @@ from rmm.cli.settings import PRECEDENCE, add_config_options
 from rmm.cli.tables import Figures, print_figures
 from rmm.errors import RmmError
 
+CREDIT_FORMS = ("per-pick", "reward-to-go", "sequence")  # rmm.policy.credit.CREDITS (not imported: --help stays light)
+
 __all__ = ["add_train_command_options", "quickstart_settings", "register", "run", "run_quickstart", "train_figures"]
 
 
@@ -50,7 +52,8 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="locomo")
     p.add_argument("--retriever", default=DEFAULT_RETRIEVER, help="encoder preset or folder (dense only)")
     p.add_argument("--citer", type=trainable_citer, default="simulated",
-                   help="who cites: an LLM spec; online training supports simulated (labelled in every output)")
+                   help="who cites: simulated (default; labelled in every output) or a real generator, "
+                        "openai:URL@MODEL (e.g. a vllm serve server), vllm:PATH or hf:PATH")
     p.add_argument("--precision", type=positive_probability, default=0.876,
                    help="simulated citer precision (paper Table 3)")
     p.add_argument("--recall", type=probability, default=0.858, help="simulated citer recall (paper Table 3)")
@@ -68,13 +71,29 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--estimator", choices=("plackett-luce", "paper"),
                    help="log-prob of the selection: plackett-luce (default) or paper-literal")
     p.add_argument("--optimizer", choices=("adam", "sgd"), help="adam (default) or sgd")
+    p.add_argument("--credit", choices=CREDIT_FORMS,
+                   help="credit of each pick: per-pick (the paper's), reward-to-go or sequence")
+    p.add_argument("--no-is", action="store_true",
+                   help="no importance correction of stale rewards (default: weight by min(clip, π/μ))")
+    p.add_argument("--is-clip", type=positive_float, help="truncation of the importance ratio π/μ (default 1)")
+    p.add_argument("--delay", type=non_negative_int, default=0,
+                   help="deliver each reward only after this many further learner updates (staleness study)")
     p.add_argument("--heldout", type=open_fraction, default=0.3,
-                   help="fraction held out (conversations, or per user the last questions)")
+                   help="fraction held out (conversations; per user, questions of the later sessions)")
+    p.add_argument("--limit", type=positive_int, help="train on the first N training questions only")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--output", help="run directory: checkpoints and resumable state")
     p.add_argument("--json", help="write the report as JSON")
     p.add_argument("--plot", help="write the learning curves as PNG")
     p.add_argument("--wandb", metavar="PROJECT", help="log to Weights & Biases (or set $WANDB_PROJECT)")
+    g = p.add_argument_group("real generator (--citer openai:/vllm:/hf:)")
+    g.add_argument("--structured", action="store_true",
+                   help="ask for JSON answers {answer, citations} (constrained decoding where the backend has it)")
+    g.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight on an openai: server")
+    g.add_argument("--llm-batch", type=positive_int, default=16,
+                   help="questions per generate call of an in-process vllm: or hf: generator")
+    g.add_argument("--max-tokens", type=positive_int, default=256, help="longest reply, in tokens")
+    g.add_argument("--llm-threads", type=positive_int, help="CPU threads of an hf: generator")
 
 
 def add_train_command_options(p: argparse.ArgumentParser) -> None:
@@ -119,10 +138,11 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     if wandb_run is not None:
         wandb_run.summary.update({"reranker_prequential": report.reranker_prequential,
-                                  "reranker_heldout": report.reranker_heldout})
+                                  "reranker_heldout": report.reranker_heldout, "generation": report.generation})
         wandb_run.finish()
     print_figures(train_figures(report, args.retriever), console)
     _print_cited_ratio(report.cited_ratio, elapsed)
+    _print_generation(report)
     console.print(f"[dim]{report.split}[/dim]")
     write_json(args.json, report.to_json())
     if args.plot:
@@ -156,10 +176,13 @@ def _online_config(args: argparse.Namespace, normalized_encoder: bool) -> Any:
 
     values = recipe_for(args.recipe, normalized_encoder)
     given = {"tau": args.tau, "baseline": args.baseline, "lr": args.lr, "batch_size": args.update_every,
-             "estimator": args.estimator, "optimizer": args.optimizer}
+             "estimator": args.estimator, "optimizer": args.optimizer, "credit": args.credit,
+             "is_clip": args.is_clip, "llm_threads": args.llm_threads, "limit": args.limit}
     values.update({k: v for k, v in given.items() if v is not None})
     return OnlineConfig(k=args.k, m=args.m, epochs=args.epochs, per_user=args.per_user, heldout_fraction=args.heldout,
-                        seed=args.seed, citer=args.citer, precision=args.precision, recall=args.recall, **values)
+                        seed=args.seed, citer=args.citer, precision=args.precision, recall=args.recall,
+                        importance=not args.no_is, delay=args.delay, structured=args.structured,
+                        concurrency=args.concurrency, llm_batch=args.llm_batch, max_tokens=args.max_tokens, **values)
 
 
 def _wandb(args: argparse.Namespace, cfg: Any) -> Any | None:
@@ -182,7 +205,7 @@ def train_figures(report: Any, retriever: str) -> Figures:
     from rmm.training.online import headline
 
     figures = Figures(title=f"Online reranker on {escape(retriever)} — citations: {escape(report.citer)} — "
-                            "categories 1–4 (%)",
+                            f"{escape(report.headline_questions)} (%)",
                       columns=["metric", "retriever alone", "+ reranker", "lift (points)"])
     for name, before, after in headline(report):
         figures.add_row(name, fmt(before), fmt(after), f"{100 * (after - before):+.1f}")
@@ -195,3 +218,19 @@ def _print_cited_ratio(ratio: list[float], elapsed: float) -> None:
         q = max(1, len(ratio) // 10)
         console.print(f"cited ratio: first {q} steps {sum(ratio[:q]) / q:.3f} → last {q} steps "
                       f"{sum(ratio[-q:]) / q:.3f}   ({len(ratio)} steps, {elapsed:.0f}s)")
+
+
+def _print_generation(report: Any) -> None:
+    """What a real generator did (replies, parse failures, calls, tokens, speed) and how stale rewards were."""
+    g, stale = report.generation, report.staleness
+    if g.get("kind", "simulated") != "simulated":
+        console.print(
+            f"generator {escape(g['kind'])} {escape(g['model'])}: {g['replies']} replies, "
+            f"{g['unusable']} unusable ({100 * g['parse_failure_rate']:.1f}%; {g['example_copies']} copied the "
+            f"example), {g['llm_calls']} LLM calls, {g['prompt_tokens']} prompt + {g['completion_tokens']} "
+            f"completion tokens ({g['completion_tokens_per_question']:.0f} per question); "
+            f"{g['seconds_per_question']:.2f} s/question, {g['questions_per_second']:.2f} questions/s "
+            f"with {g['concurrency']} in flight", highlight=False)
+    if stale.get("rewarded") and (stale["delay"] or stale["mean_steps"]):
+        console.print(f"reward staleness: {stale['mean_steps']:.1f} learner updates on average "
+                      f"(max {stale['max_steps']}; --delay {stale['delay']})", highlight=False)

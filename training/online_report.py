@@ -1,0 +1,154 @@
+"""The online-training report: the figures `rmm train` prints, plots and writes as JSON.
+
+The headline covers the dataset's own categories (LoCoMo 1–4 with the adversarial category 5
+reported apart; MSC 1 persona and 2 followup), and every figure comes in pairs — the retriever
+alone and with the learned reranker, prequential on the training stream and on held-out questions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rmm.eval.retrieval import SEPARATE_CATEGORIES, RetrievalReport, summarize
+from rmm.policy.registry import SHARED
+from rmm.policy.retrieve import RerankedRetriever
+from rmm.training.online_plot import running_mean
+from rmm.types import Dataset, Question
+
+if TYPE_CHECKING:
+    from rmm.training.online import OnlineTrainer
+
+__all__ = ["OnlineReport", "build_report", "headline", "headline_questions"]
+
+Rows = dict[str, dict[str, float]]  # question id → metric → value
+# Figures that vary from run to run; a simulated run's report leaves them out, so it is repeatable.
+TIMINGS = ("seconds", "seconds_per_question", "questions_per_second", "completion_tokens_per_second")
+
+
+@dataclass
+class OnlineReport:
+    retriever: dict[str, Any]
+    reranker_prequential: dict[str, Any]
+    retriever_heldout: dict[str, Any]
+    reranker_heldout: dict[str, Any]
+    reranker_heldout_whole_bank: dict[str, Any]
+    citer: str
+    split: str
+    config: dict[str, Any]
+    cited_ratio: list[float] = field(default_factory=list)
+    prequential_curve: dict[str, list[float]] = field(default_factory=dict)  # running means, headline questions
+    learner: dict[str, Any] = field(default_factory=dict)
+    headline_questions: str = ""  # which questions the table's figures and the curves cover
+    generation: dict[str, Any] = field(default_factory=dict)  # citer kind/model, parse failures, calls, tokens, speed
+    staleness: dict[str, Any] = field(default_factory=dict)  # learner steps between sampling and update
+    dropped_questions: int = 0  # per-user split: evidence spanning the training and held-out sessions
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def headline_questions(dataset: Dataset) -> str:
+    """Which questions the headline figures cover, in the dataset's own categories
+    (e.g. LoCoMo without category 5; MSC's 1 persona and 2 followup)."""
+    separate = SEPARATE_CATEGORIES.get(dataset.name, ())
+    kept = sorted(c for c in dataset.categories if c not in separate)
+    if not kept:
+        return f"{dataset.name}, all questions"
+    run = len(kept) > 2 and kept == list(range(kept[0], kept[-1] + 1))
+    span = f"{kept[0]}–{kept[-1]}" if run else ", ".join(map(str, kept))
+    if not separate:
+        names = ", ".join(dataset.categories[c] for c in kept if dataset.categories.get(c))
+        return f"{dataset.name} categories {span}" + (f" ({names})" if names and not run else "")
+    left_out = ", ".join(f"{c} {dataset.categories.get(c, '')}".strip() for c in separate)
+    return f"{dataset.name} categories {span}; {left_out} reported apart"
+
+
+def headline(report: OnlineReport) -> list[tuple[str, float, float]]:
+    """(metric, retriever, reranker) rows for the before/after table."""
+    k = report.config["eval_k"]
+    rows = []
+    for metric in (f"recall@{k}", f"recall_any@{k}", f"ndcg@{k}"):
+        rows.append((f"prequential {metric}", report.retriever.get(metric, math.nan),
+                     report.reranker_prequential.get(metric, math.nan)))
+    for metric in (f"recall@{k}", f"recall_any@{k}", f"ndcg@{k}"):
+        rows.append((f"held-out {metric}", report.retriever_heldout.get(metric, math.nan),
+                     report.reranker_heldout.get(metric, math.nan)))
+    rows.append((f"held-out recall@{k}, whole-bank search", report.retriever_heldout.get(f"recall@{k}", math.nan),
+                 report.reranker_heldout_whole_bank.get(f"recall@{k}", math.nan)))
+    return rows
+
+
+def build_report(trainer: OnlineTrainer) -> OnlineReport:
+    """Score the held-out questions with the trained reranker(s) and assemble the whole report."""
+    cfg, split = trainer.cfg, trainer.split
+    held: dict[str, Rows] = {"retriever": {}, "reranker": {}, "reranker_bank": {}}
+    for q in split.heldout:
+        c = trainer.cands[q.id]
+        held["retriever"][q.id] = trainer.score(c, list(range(len(c))), q)
+        held["reranker"][q.id] = trainer.score(c, trainer.greedy(c, q.user_id), q)
+    for user in dict.fromkeys(q.user_id for q in split.heldout):
+        # Reranker-aware first stage: search the whole bank with the learned query transform.
+        qs = [q for q in split.heldout if q.user_id == user]
+        whole = RerankedRetriever(trainer.bank, trainer.learner_for(user).reranker, k=cfg.k, m=cfg.m, scope="bank")
+        for q, sel in zip(qs, whole.select([q.text for q in qs], user)):
+            held["reranker_bank"][q.id] = trainer.score(sel.candidates, sel.chosen, q)
+
+    def summary(rows: Rows, qs: list[Question]) -> dict[str, Any]:
+        rep: RetrievalReport = summarize(trainer.dataset, rows, qs, retriever="", granularity="turn",
+                                         ks=[cfg.eval_k])
+        return {**rep.overall, "by_category": rep.by_category}
+
+    train_qs = [q for e, q in trainer.stream if e == 0 and q.id in trainer.rows["reranker"]]
+    # The curves cover the questions `summarize` puts in the headline, so they end at the table's figures.
+    separate = set(SEPARATE_CATEGORIES.get(trainer.dataset.name, ()))
+    metric = f"recall@{cfg.eval_k}"
+    curve = {name: running_mean([rows[q.id][metric] for q in train_qs if q.category not in separate])
+             for name, rows in trainer.rows.items()}
+    learners = {k: asdict(learner.stats) for k, learner in trainer.learners.items()}
+    return OnlineReport(
+        retriever=summary(trainer.rows["retriever"], train_qs),
+        reranker_prequential=summary(trainer.rows["reranker"], train_qs),
+        retriever_heldout=summary(held["retriever"], split.heldout),
+        reranker_heldout=summary(held["reranker"], split.heldout),
+        reranker_heldout_whole_bank=summary(held["reranker_bank"], split.heldout),
+        citer=_citer_label(trainer), split=split.description, config=asdict(cfg),
+        cited_ratio=trainer.cited_ratio, prequential_curve=curve,
+        learner=learners if cfg.per_user else learners.get(SHARED, {}),
+        headline_questions=headline_questions(trainer.dataset), generation=_generation(trainer),
+        staleness=_staleness(trainer), dropped_questions=len(split.dropped),
+    )
+
+
+def _citer_label(trainer: OnlineTrainer) -> str:
+    cfg = trainer.cfg
+    if trainer.kind == "simulated":
+        return f"simulated (precision {cfg.precision}, recall {cfg.recall})"
+    return cfg.citer + (" (structured)" if cfg.structured else "")
+
+
+def _generation(trainer: OnlineTrainer) -> dict[str, Any]:
+    """Citer kind and model, replies and parse failures; for a real generator its calls, tokens,
+    speed and how many questions were in flight."""
+    cfg, stats = trainer.cfg, trainer.stats
+    figures = {"kind": trainer.kind, "model": _model(cfg.citer, trainer.kind), **asdict(stats), **stats.summary()}
+    if trainer.kind == "simulated":  # nothing is generated; timings would only make the report unrepeatable
+        return {k: v for k, v in figures.items() if k not in TIMINGS and "token" not in k and k != "llm_calls"}
+    calls, per_call = trainer.in_flight_limit()
+    return {**figures, "concurrency": calls * per_call, "calls_in_flight": calls, "questions_per_call": per_call,
+            "structured": cfg.structured}
+
+
+def _model(spec: str, kind: str) -> str:
+    if kind == "simulated":
+        return "simulated"
+    rest = spec.partition(":")[2]
+    return rest.rpartition("@")[2] if kind == "openai" and "@" in rest else rest
+
+
+def _staleness(trainer: OnlineTrainer) -> dict[str, Any]:
+    """Learner updates between a selection's sampling and the delivery of its rewards."""
+    n = trainer.staleness["updates"]
+    return {"delay": trainer.cfg.delay, "rewarded": n, "mean_steps": trainer.staleness["sum"] / n if n else 0.0,
+            "max_steps": trainer.staleness["max"]}
