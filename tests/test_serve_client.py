@@ -64,8 +64,9 @@ def test_sync_client_agent_loop(server: str) -> None:
         assert len(hit.memories) == 3 and "sourdough" in hit.memories[0].text and hit.selection_id
         cited = [m.index for m in hit.memories if "sourdough" in m.text]
         fb = rmm.feedback(hit.selection_id, text=f"She bakes sourdough bread. {cited}")
-        assert fb.cited == cited and fb.learner_records == 1 and not fb.updated
-        second = rmm.retrieve([Query("ana", "golden retriever puppy")])[0]
+        assert fb.cited == cited and fb.learner_records == 0 and not fb.updated  # greedy: never learned from
+        first, second = rmm.retrieve([Query("ana", "golden retriever puppy"), Query("ana", "hiking")])  # sampled
+        assert rmm.feedback(first.selection_id, cited=[0]).learner_records == 1
         assert rmm.feedback(second.selection_id, cited=[0]).updated  # batch_size 2: the reranker stepped
         lisbon = next(m for m in rmm.memories("ana") if m.id == "lisbon")
         assert lisbon.kind == "topic" and lisbon.refs == ["t1"]

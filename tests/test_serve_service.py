@@ -240,7 +240,7 @@ def test_checkpoint_on_close_and_reload_on_restart(tmp_path: Path) -> None:
     service = make_service(tmp_path, learner={"batch_size": 1})
     service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
     service.feedback("alpha", one(service, "ana", "hiking", explore=True).selection_id, cited=[0])
-    pending = one(service, "ana", "sourdough bread")  # left waiting for feedback across the restart
+    pending = one(service, "ana", "sourdough bread", explore=True)  # left waiting for feedback across the restart
     weights = service.learner("alpha").reranker.W_q.weight.detach().clone()
     assert service.learner("alpha").stats.step == 1
     service.close()
@@ -261,7 +261,7 @@ def test_periodic_checkpoints(tmp_path: Path) -> None:
     service = make_service(tmp_path, learner={"batch_size": 1}, checkpoint_interval_s=0.1)
     try:
         service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
-        service.feedback("alpha", one(service, "ana", "hiking").selection_id, cited=[0])
+        service.feedback("alpha", one(service, "ana", "hiking", explore=True).selection_id, cited=[0])
         meta = tmp_path / "bank" / "reranker" / "tenants" / "alpha-be76331b95" / "meta.json"
         deadline = time.monotonic() + 5
         while not meta.exists() and time.monotonic() < deadline:
@@ -291,7 +291,7 @@ def test_one_reranker_per_user_and_deleting_the_user_deletes_it(tmp_path: Path) 
     try:
         for user in ("ana", "bob"):
             service.add_memories("alpha", user, [NewMemory(text=t) for t in FACTS])
-        service.feedback("alpha", one(service, "ana", "hiking").selection_id, cited=[0])
+        service.feedback("alpha", one(service, "ana", "hiking", explore=True).selection_id, cited=[0])
         assert service.learner("alpha:ana").stats.step == 1
         assert service.learner("alpha:bob").stats.step == 0
         service.checkpoint()
@@ -311,7 +311,7 @@ def test_checkpoint_folders_keep_their_layout_so_existing_checkpoints_load(tmp_p
     service = make_service(tmp_path, reranker_per=per, learner={"batch_size": 1})
     try:
         service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
-        service.feedback("alpha", one(service, "ana", "hiking").selection_id, cited=[0])
+        service.feedback("alpha", one(service, "ana", "hiking", explore=True).selection_id, cited=[0])
     finally:
         service.close()
     assert (tmp_path / "bank" / "reranker" / folder / "meta.json").exists()
