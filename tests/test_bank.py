@@ -70,9 +70,15 @@ def encoder() -> FakeEncoder:
     return FakeEncoder()
 
 
+@pytest.fixture(params=["folder", "postgresql"])
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a fresh bank lives: a folder (SQLite + in-process index) or a PostgreSQL schema (pgvector)."""
+    return str(tmp_path / "bank") if request.param == "folder" else request.getfixturevalue("pg_url")
+
+
 @pytest.fixture
-def bank(tmp_path: Path, encoder: FakeEncoder) -> MemoryBank:
-    b = MemoryBank(tmp_path / "bank", encoder, device="cpu")
+def bank(location: str, encoder: FakeEncoder) -> MemoryBank:
+    b = MemoryBank(location, encoder, device="cpu")
     b.add("alice", memories())
     yield b
     b.close()
@@ -82,9 +88,14 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("backend", ["torch", "faiss-flat", "faiss-hnsw"])
-def test_search_finds_the_matching_memory(tmp_path: Path, encoder: FakeEncoder, backend: str) -> None:
-    with MemoryBank(tmp_path / "b", encoder, index_backend=backend, device="cpu") as bank:
+@pytest.mark.parametrize("backend", ["torch", "faiss-flat", "faiss-hnsw", "postgresql"])
+def test_search_finds_the_matching_memory(request: pytest.FixtureRequest, tmp_path: Path, encoder: FakeEncoder,
+                                          backend: str) -> None:
+    if backend == "postgresql":  # pgvector searches in the database
+        where, backend = request.getfixturevalue("pg_url"), "torch"
+    else:
+        where = str(tmp_path / "b")
+    with MemoryBank(where, encoder, index_backend=backend, device="cpu") as bank:
         assert bank.add("alice", memories()) == list(TEXTS)
         (c,) = bank.search(["what is her cat called"], "alice", k=3)
     assert isinstance(c, Candidates)
@@ -201,10 +212,10 @@ def test_delete_and_delete_user(bank: MemoryBank) -> None:
     with pytest.raises(UnknownMemoryError):
         bank.delete("alice", ["cat"])
     bank.flush()
-    index_files = list((bank.path / INDEX_DIR).iterdir())
-    assert len(index_files) == 1
+    index_files = list((bank.path / INDEX_DIR).iterdir()) if bank.path is not None else []
+    assert len(index_files) == (1 if bank.path is not None else 0)  # a database bank keeps no index files
     bank.delete_user("alice")
-    assert bank.users() == [] and not index_files[0].exists()
+    assert bank.users() == [] and not any(file.exists() for file in index_files)
     with pytest.raises(UnknownUserError):
         bank.search(["x"], "alice", k=1)
 
@@ -235,7 +246,7 @@ def test_stale_index_file_is_rebuilt(tmp_path: Path, encoder: FakeEncoder, caplo
     with MemoryStore(path / STORE_FILE) as store:
         extra = Memory(id="bike", user_id="alice", kind="turn", text="she bought a red bicycle")
         store.add([extra], encoder.encode_passages([extra.text]))
-    with MemoryBank(path, encoder, device="cpu") as bank, caplog.at_level(logging.INFO, logger="rmm.memory.bank"):
+    with MemoryBank(path, encoder, device="cpu") as bank, caplog.at_level(logging.INFO, logger="rmm.memory.index_cache"):
         (c,) = bank.search(["red bicycle"], "alice", k=1)
     assert c.memory_ids == ["bike"] and "stale" in caplog.text
 
@@ -247,7 +258,7 @@ def test_corrupt_index_file_is_rebuilt_transparently(tmp_path: Path, encoder: Fa
         expected = bank.search(["curry"], "alice", k=2)[0].memory_ids
     (index_file,) = (path / INDEX_DIR).iterdir()
     index_file.write_bytes(b"\x13\x00\x00\x00not an index at all")
-    with MemoryBank(path, encoder, device="cpu") as bank, caplog.at_level(logging.WARNING, logger="rmm.memory.bank"):
+    with MemoryBank(path, encoder, device="cpu") as bank, caplog.at_level(logging.WARNING, logger="rmm.memory.index_cache"):
         assert bank.search(["curry"], "alice", k=2)[0].memory_ids == expected
     assert "unreadable" in caplog.text
     assert index_file.read_bytes()[:8] != b"\x13\x00\x00\x00not " and index_file.stat().st_size > 100  # rewritten
@@ -291,8 +302,8 @@ def test_wrong_encoder_is_refused_and_the_bank_is_untouched(
     assert (path / BANK_FILE).exists()
 
 
-def test_two_banks_on_one_path_see_each_others_writes(tmp_path: Path, encoder: FakeEncoder) -> None:
-    path = tmp_path / "bank"
+def test_two_banks_on_one_path_see_each_others_writes(location: str, encoder: FakeEncoder) -> None:
+    path = location
     first = MemoryBank(path, encoder, device="cpu")
     second = MemoryBank(path, encoder, device="cpu")
     first.add("alice", memories())
@@ -305,8 +316,8 @@ def test_two_banks_on_one_path_see_each_others_writes(tmp_path: Path, encoder: F
     second.close()
 
 
-def test_writes_in_another_process_survive_without_close(tmp_path: Path, encoder: FakeEncoder) -> None:
-    path = tmp_path / "bank"
+def test_writes_in_another_process_survive_without_close(location: str, encoder: FakeEncoder) -> None:
+    path = location
     reader = MemoryBank(path, encoder, device="cpu")
     reader.add("alice", memories())
     assert reader.search(["bicycle"], "alice", k=10)[0].memory_ids  # index cached in this process
@@ -331,9 +342,9 @@ os._exit(0)  # no close(): acknowledged writes must already be durable
         assert fresh.search(["chess"], "bob", k=1)[0].memory_ids == ["b1"]
 
 
-def test_concurrent_threads(tmp_path: Path, encoder: FakeEncoder) -> None:
+def test_concurrent_threads(location: str, encoder: FakeEncoder) -> None:
     errors: list[BaseException] = []
-    with MemoryBank(tmp_path / "bank", encoder, device="cpu") as bank:
+    with MemoryBank(location, encoder, device="cpu") as bank:
         def worker(t: int) -> None:
             try:
                 user = f"user{t}"

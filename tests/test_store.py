@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from rmm.errors import CorruptFileError, DimensionMismatchError, UnknownMemoryError, UnknownUserError
+from rmm.memory.storage import MemoryStorage
 from rmm.memory.store import SCHEMA_VERSION, DuplicateMemoryError, MemoryStore
 from rmm.types import Memory
 
@@ -18,14 +20,20 @@ def mem(memory_id: str, user: str = "alice", text: str | None = None, **fields: 
     return Memory(id=memory_id, user_id=user, kind="turn", text=text or f"text of {memory_id}", **fields)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> MemoryStore:
-    s = MemoryStore(tmp_path / "memories.sqlite")
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MemoryStorage]:
+    """The same behaviour tests against both stores (PostgreSQL: the embedded test server)."""
+    if request.param == "sqlite":
+        s: MemoryStorage = MemoryStore(tmp_path / "memories.sqlite")
+    else:
+        from rmm.memory.pg_store import PostgresStore
+
+        s = PostgresStore(request.getfixturevalue("pg_url"))
     yield s
     s.close()
 
 
-def test_round_trip_keeps_every_field(store: MemoryStore) -> None:
+def test_round_trip_keeps_every_field(store: MemoryStorage) -> None:
     original = Memory(
         id="t1",
         user_id="alice",
@@ -46,21 +54,21 @@ def test_round_trip_keeps_every_field(store: MemoryStore) -> None:
     assert store.get("alice", ["t2"])[0].time_span is None
 
 
-def test_memories_in_insertion_order_and_get_in_requested_order(store: MemoryStore) -> None:
+def test_memories_in_insertion_order_and_get_in_requested_order(store: MemoryStorage) -> None:
     store.add([mem("b"), mem("a")])
     store.add([mem("c")])
     assert [m.id for m in store.memories("alice")] == ["b", "a", "c"]
     assert [m.id for m in store.get("alice", ["c", "b"])] == ["c", "b"]
 
 
-def test_users_and_partitioning(store: MemoryStore) -> None:
+def test_users_and_partitioning(store: MemoryStorage) -> None:
     store.add([mem("1", "bob"), mem("1", "alice")])  # the same id may exist for two users
     assert store.users() == ["alice", "bob"]
     assert store.has_user("bob") and not store.has_user("carol")
     assert [m.user_id for m in store.memories("bob")] == ["bob"]
 
 
-def test_embeddings_round_trip_exactly(store: MemoryStore) -> None:
+def test_embeddings_round_trip_exactly(store: MemoryStorage) -> None:
     vectors = torch.randn(3, 8)
     store.add([mem("a"), mem("b"), mem("c")], vectors)
     ids, loaded = store.embeddings("alice")
@@ -70,7 +78,7 @@ def test_embeddings_round_trip_exactly(store: MemoryStore) -> None:
     assert ids == ["c", "a"] and torch.equal(picked, vectors[[2, 0]])
 
 
-def test_memories_without_embeddings_are_not_in_the_matrix(store: MemoryStore) -> None:
+def test_memories_without_embeddings_are_not_in_the_matrix(store: MemoryStorage) -> None:
     store.add([mem("a")], torch.ones(1, 4))
     store.add([mem("b")])
     ids, matrix = store.embeddings("alice")
@@ -79,7 +87,7 @@ def test_memories_without_embeddings_are_not_in_the_matrix(store: MemoryStore) -
         store.embeddings("alice", ["b"])
 
 
-def test_wrong_embedding_shapes_are_refused(store: MemoryStore) -> None:
+def test_wrong_embedding_shapes_are_refused(store: MemoryStorage) -> None:
     with pytest.raises(ValueError, match="shape"):
         store.add([mem("a"), mem("b")], torch.zeros(3, 4))
     store.add([mem("a")], torch.zeros(1, 4))
@@ -90,7 +98,7 @@ def test_wrong_embedding_shapes_are_refused(store: MemoryStore) -> None:
     assert [m.id for m in store.memories("alice")] == ["a"]
 
 
-def test_existing_id_is_refused_and_the_batch_is_rolled_back(store: MemoryStore) -> None:
+def test_existing_id_is_refused_and_the_batch_is_rolled_back(store: MemoryStorage) -> None:
     store.add([mem("a", text="original")], torch.zeros(1, 4))
     generation = store.generation("alice")
     with pytest.raises(DuplicateMemoryError, match="'a'"):
@@ -104,7 +112,7 @@ def test_existing_id_is_refused_and_the_batch_is_rolled_back(store: MemoryStore)
         store.add([mem("x"), mem("x")])
 
 
-def test_unknown_user_and_memory_errors(store: MemoryStore) -> None:
+def test_unknown_user_and_memory_errors(store: MemoryStorage) -> None:
     store.add([mem("a")])
     with pytest.raises(UnknownUserError, match="alice"):  # the message lists known users
         store.get("zed", ["a"])
@@ -121,7 +129,7 @@ def test_unknown_user_and_memory_errors(store: MemoryStore) -> None:
     assert [m.id for m in store.memories("alice")] == ["a"]  # the failed delete removed nothing
 
 
-def test_update_replaces_fields_and_optionally_the_embedding(store: MemoryStore) -> None:
+def test_update_replaces_fields_and_optionally_the_embedding(store: MemoryStorage) -> None:
     store.add([mem("a", text="old")], torch.zeros(1, 4))
     store.update(mem("a", text="new", refs=["r1"], updated_at=5.0))
     (m,) = store.get("alice", ["a"])
@@ -132,7 +140,7 @@ def test_update_replaces_fields_and_optionally_the_embedding(store: MemoryStore)
     assert [x.id for x in store.memories("alice")] == ["a"]
 
 
-def test_delete_and_delete_user(store: MemoryStore) -> None:
+def test_delete_and_delete_user(store: MemoryStorage) -> None:
     store.add([mem("a"), mem("b"), mem("c")], torch.eye(3))
     store.add([mem("z", "bob")])
     store.delete("alice", ["b"])
@@ -146,7 +154,7 @@ def test_delete_and_delete_user(store: MemoryStore) -> None:
     assert [m.id for m in store.memories("alice")] == ["a"]
 
 
-def test_generation_bumps_on_every_write_only(store: MemoryStore) -> None:
+def test_generation_bumps_on_every_write_only(store: MemoryStorage) -> None:
     store.add([mem("a")], torch.zeros(1, 2))
     g1 = store.generation("alice")
     store.memories("alice"), store.get("alice", ["a"]), store.embeddings("alice")
@@ -237,7 +245,7 @@ def test_damaged_pages_raise_corrupt_file_error(tmp_path: Path) -> None:
             store.memories("alice")
 
 
-def test_concurrent_writers_from_threads(store: MemoryStore) -> None:
+def test_concurrent_writers_from_threads(store: MemoryStorage) -> None:
     errors: list[BaseException] = []
 
     def worker(t: int) -> None:
@@ -264,3 +272,11 @@ def test_closed_store_refuses_work(tmp_path: Path) -> None:
     store.close()  # idempotent
     with pytest.raises(Exception, match="closed"):
         store.users()
+
+
+def test_set_meta_if_absent_keeps_the_first_value(store: MemoryStorage) -> None:
+    assert store.set_meta_if_absent("encoder", "first") == "first"
+    assert store.set_meta_if_absent("encoder", "second") == "first"  # first writer wins
+    assert store.get_meta("encoder") == "first"
+    with pytest.raises(TypeError):
+        store.set_meta_if_absent("k", 3)  # type: ignore[arg-type]

@@ -1,32 +1,36 @@
-"""A user-partitioned memory bank: store + per-user vector index + encoder (DESIGN.md §4).
+"""A user-partitioned memory bank: store + per-user vector search + encoder (DESIGN.md §4).
 
-Directory layout::
+Where the bank lives is one string (`rmm.memory.storage`):
 
-    <bank>/bank.json          encoder name, fingerprint, dim — the bank refuses any other encoder
-    <bank>/memories.sqlite    MemoryStore: the source of truth (memories + embeddings)
-    <bank>/index/<user>.safetensors   per-user index, stamped with the store generation it reflects
+* a folder (the default; nothing to run) — an SQLite store and in-process indexes::
 
-Writes go to the store first — a write is acknowledged once its transaction commits — and then to
-the in-memory index. Index files are a cache: one is written after a (re)build and, for indexes
-changed since, on `flush()` / `close()`. A file whose stamp (store id, user, generation, backend,
-encoder) does not match the store is stale and is rebuilt from the stored embeddings; an unreadable
-one is rebuilt with a warning. Nothing acknowledged can therefore be lost by a crash, and another
-process writing to the same bank is noticed at the next search (the generation moved).
+      <bank>/bank.json          encoder name, fingerprint, dim — the bank refuses any other encoder
+      <bank>/memories.sqlite    MemoryStore: the source of truth (memories + embeddings)
+      <bank>/index/<user>.safetensors   per-user index cache (`rmm.memory.index_cache`)
+
+* a ``postgresql://…?schema=NAME`` URL — a PostgreSQL schema with pgvector that any number of
+  processes share; the database is both the store and the index (`rmm.memory.pg_store`), and the
+  encoder record lives in its `meta` table.
+
+Writes go to the store first — a write is acknowledged once its transaction commits — and then,
+for a folder bank, to the in-memory index, whose files are only a cache rebuilt whenever they do
+not match the store. Nothing acknowledged can therefore be lost by a crash, and another process
+writing to the same bank is noticed at the next search.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, cast
 
 import torch
 
@@ -37,11 +41,13 @@ from rmm.errors import (
     EncoderMismatchError,
     RmmError,
 )
-from rmm.memory.index import BACKENDS, VectorIndex, index_file_info, load_index, make_index
+from rmm.memory.index import BACKENDS, VectorIndex
+from rmm.memory.index_cache import UserIndexCache
+from rmm.memory.storage import MemoryStorage, VectorSearchStorage, is_database_url
 from rmm.memory.store import MemoryStore
 from rmm.types import Candidates, Memory
 
-__all__ = ["BANK_FILE", "INDEX_DIR", "STORE_FILE", "EncoderLike", "MemoryBank"]
+__all__ = ["BANK_FILE", "DATABASE_OPTIONS", "INDEX_DIR", "STORE_FILE", "EncoderLike", "MemoryBank"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,8 @@ BANK_FILE = "bank.json"
 STORE_FILE = "memories.sqlite"
 INDEX_DIR = "index"
 _BANK_FORMAT = 1
+# What `index_options` may hold for a PostgreSQL bank (`PostgresStore`'s keyword arguments).
+DATABASE_OPTIONS = ("exact_limit", "ef_search", "pool_min", "pool_max", "pool_timeout_s")
 
 
 class EncoderLike(Protocol):
@@ -61,20 +69,6 @@ class EncoderLike(Protocol):
     def encode_queries(self, texts: list[str]) -> torch.Tensor: ...
 
     def encode_passages(self, texts: list[str]) -> torch.Tensor: ...
-
-
-@dataclass
-class _UserIndex:
-    index: VectorIndex
-    generation: int
-    dirty: bool  # changed since it was last written to disk
-
-
-def _index_filename(user: str) -> str:
-    """A safe, unique file name for any user id (readable prefix + hash of the exact id)."""
-    readable = re.sub(r"[^A-Za-z0-9._-]", "_", user)[:48].lstrip(".") or "user"
-    digest = hashlib.sha1(user.encode("utf-8")).hexdigest()[:12]
-    return f"{readable}-{digest}.safetensors"
 
 
 def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
@@ -91,8 +85,13 @@ def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
 class MemoryBank:
     """Per-user memories with dense retrieval. Thread-safe; usable as a context manager.
 
-    `index_options` are passed to `make_index` (e.g. ``{"nprobe": 32}`` for faiss-ivf).
+    `path` is a bank folder, or a ``postgresql://`` URL. `index_options` are passed to
+    `make_index` for a folder bank (e.g. ``{"nprobe": 32}`` for faiss-ivf), or to `PostgresStore`
+    for a database bank (`DATABASE_OPTIONS`, e.g. ``{"exact_limit": 20000}``).
     """
+
+    store: MemoryStorage
+    path: Path | None  # the bank folder; None for a database bank (see `location`)
 
     def __init__(
         self,
@@ -107,38 +106,67 @@ class MemoryBank:
         for attribute in ("dim", "fingerprint", "name", "encode_queries", "encode_passages"):
             if not hasattr(encoder, attribute):
                 raise TypeError(f"encoder {type(encoder).__name__} lacks {attribute!r}; pass an rmm Encoder")
-        self.path = Path(path)
         self.encoder = encoder
         self.dim = int(encoder.dim)
         self.index_backend = index_backend
         self.index_options = dict(index_options or {})
         self.device = resolve_device(device)
         self._lock = threading.RLock()
-        self._indexes: dict[str, _UserIndex] = {}
+        self._cache: UserIndexCache | None = None
         self._closed = False
+        if is_database_url(path):
+            self._open_database(str(path))
+        else:
+            self._open_folder(Path(path))
 
-        if self.path.exists() and not self.path.is_dir():
-            raise CorruptFileError(f"bank path {self.path} is a file; a bank is a directory")
-        existing = self._read_bank_json()
-        if existing is not None:
-            self._check_encoder(existing, source=self.path / BANK_FILE)
-        store_path = self.path / STORE_FILE
-        if existing is None and store_path.exists():
-            # bank.json lost (or a crash before it was written): the store keeps a copy.
-            MemoryStore._check_header(store_path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.store = MemoryStore(store_path)
+    def _open_database(self, url: str) -> None:
+        from rmm.memory.pg_store import PostgresStore
+
+        if self.index_backend != "torch":
+            raise ValueError(f"index backend {self.index_backend!r} is for folder banks: a PostgreSQL bank searches "
+                             "in the database (pgvector)")
+        unknown = sorted(set(self.index_options) - set(DATABASE_OPTIONS))
+        if unknown:
+            raise ValueError(f"index options {unknown} do not apply to a PostgreSQL bank; it takes {list(DATABASE_OPTIONS)}")
+        self.path = None
+        self.index_backend = "pgvector"
+        self.store = PostgresStore(url, **self.index_options)
+        self.location = self.store.location
         try:
-            self._reconcile_encoder_record(existing)
+            self._reconcile_encoder_record(None)
         except BaseException:
             self.store.close()
             raise
-        (self.path / INDEX_DIR).mkdir(exist_ok=True)
+
+    def _open_folder(self, path: Path) -> None:
+        self.path = path
+        self.location = str(path)
+        if path.exists() and not path.is_dir():
+            raise CorruptFileError(f"bank path {path} is a file; a bank is a directory")
+        existing = self._read_bank_json(path)
+        if existing is not None:
+            self._check_encoder(existing, source=path / BANK_FILE)
+        store_path = path / STORE_FILE
+        if existing is None and store_path.exists():
+            # bank.json lost (or a crash before it was written): the store keeps a copy.
+            MemoryStore._check_header(store_path)
+        path.mkdir(parents=True, exist_ok=True)
+        store = MemoryStore(store_path)
+        self.store = store
+        try:
+            self._reconcile_encoder_record(existing)
+        except BaseException:
+            store.close()
+            raise
+        self._cache = UserIndexCache(store, path / INDEX_DIR, backend=self.index_backend, dim=self.dim,
+                                     device=self.device, options=self.index_options,
+                                     fingerprint=self.encoder.fingerprint)
 
     # -------------------------------------------------------------- encoder record
 
-    def _read_bank_json(self) -> dict[str, Any] | None:
-        file = self.path / BANK_FILE
+    @staticmethod
+    def _read_bank_json(path: Path) -> dict[str, Any] | None:
+        file = path / BANK_FILE
         if not file.exists():
             return None
         try:
@@ -151,126 +179,56 @@ class MemoryBank:
     def _check_encoder(self, record: dict[str, Any], source: Path | str) -> None:
         if int(record["dim"]) != self.dim:
             raise DimensionMismatchError(
-                f"bank {self.path} holds {int(record['dim'])}-d embeddings from encoder {record.get('encoder_name')!r} "
+                f"bank {self.location} holds {int(record['dim'])}-d embeddings from encoder {record.get('encoder_name')!r} "
                 f"(fingerprint {record['fingerprint']!r}); the given encoder {self.encoder.name!r} "
                 f"(fingerprint {self.encoder.fingerprint!r}) makes {self.dim}-d vectors. Open the bank with its "
                 f"encoder, or re-encode into a new bank. [{source}]"
             )
         if str(record["fingerprint"]) != self.encoder.fingerprint:
             raise EncoderMismatchError(
-                f"bank {self.path} was built with encoder {record.get('encoder_name')!r} "
+                f"bank {self.location} was built with encoder {record.get('encoder_name')!r} "
                 f"(fingerprint {record['fingerprint']!r}); refusing encoder {self.encoder.name!r} "
                 f"(fingerprint {self.encoder.fingerprint!r}): their vectors are not comparable. Open the bank with "
                 f"its encoder, or re-encode into a new bank. [{source}]"
             )
 
     def _reconcile_encoder_record(self, existing: dict[str, Any] | None) -> None:
-        """Keep bank.json and the store's copy of it in agreement; write them for a new bank."""
-        stored = self.store.get_meta("encoder")
-        if stored is not None:
-            self._check_encoder(json.loads(stored), source=self.path / STORE_FILE)
+        """Keep bank.json and the store's copy of it in agreement; write them for a new bank.
+
+        The store's record is written only if absent (first writer wins), so two processes creating
+        one bank with different encoders cannot both succeed.
+        """
+        source = self.path / STORE_FILE if self.path is not None else self.store.location
         record = {
             "format": _BANK_FORMAT,
             "encoder_name": self.encoder.name,
             "fingerprint": self.encoder.fingerprint,
             "dim": self.dim,
         }
+        stored = self.store.get_meta("encoder")
         if stored is None:
-            self.store.set_meta("encoder", json.dumps(record, sort_keys=True))
-        if existing is None:
+            stored = self.store.set_meta_if_absent("encoder", json.dumps(record, sort_keys=True))
+        self._check_encoder(json.loads(stored), source=source)
+        if self.path is not None and existing is None:
             _write_json_atomic(self.path / BANK_FILE, {**record, "created_at": time.time()})
 
-    # -------------------------------------------------------------- index cache
+    # -------------------------------------------------------------- helpers
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RmmError(f"memory bank {self.path} is closed")
+            raise RmmError(f"memory bank {self.location} is closed")
 
-    def _index_path(self, user: str) -> Path:
-        return self.path / INDEX_DIR / _index_filename(user)
-
-    def _stamp(self, user: str, generation: int) -> dict[str, str]:
-        return {
-            "store_id": self.store.store_id,
-            "user": user,
-            "generation": str(generation),
-            "fingerprint": self.encoder.fingerprint,
-            "options": json.dumps(self.index_options, sort_keys=True),
-        }
-
-    def _index_for(self, user: str) -> VectorIndex:
-        """The user's index at the store's current generation: cached, loaded, or rebuilt."""
-        self.store.require_user(user)
-        generation = self.store.generation(user)
-        cached = self._indexes.get(user)
-        if cached is not None and cached.generation == generation:
-            return cached.index
-        index = self._load_index_file(user, generation)
-        if index is None:
-            ids, vectors = self.store.embeddings(user)
-            index = make_index(self.index_backend, self.dim, device=self.device, **self.index_options)
-            if ids:
-                index.add(ids, vectors)
-            self._indexes[user] = _UserIndex(index, generation, dirty=True)
-            self._save_index(user)
-            log.debug("built %s index for user %r (%d vectors, generation %d)", self.index_backend, user, len(ids), generation)
-        else:
-            self._indexes[user] = _UserIndex(index, generation, dirty=False)
-        return index
-
-    def _load_index_file(self, user: str, generation: int) -> VectorIndex | None:
-        file = self._index_path(user)
-        if not file.exists():
-            return None
-        expected = self._stamp(user, generation)
-        try:
-            info = index_file_info(file)
-            stamp = info["metadata"]
-            if info["backend"] != self.index_backend or info["dim"] != self.dim or stamp != expected:
-                log.info("index file %s is stale (generation %s, store at %d); rebuilding", file, stamp.get("generation"), generation)
-                return None
-            index = load_index(file, device=self.device)
-        except CorruptFileError as exc:
-            log.warning("index file %s is unreadable (%s); rebuilding it from the store", file, exc)
-            return None
-        return index
-
-    def _save_index(self, user: str) -> None:
-        entry = self._indexes.get(user)
-        if entry is None or not entry.dirty:
-            return
-        if self._generation_or_none(user) != entry.generation:
-            return  # another writer moved on: this snapshot would only be stale on disk
-        entry.index.metadata = self._stamp(user, entry.generation)
-        try:
-            entry.index.save(self._index_path(user))
-            entry.dirty = False
-        except OSError as exc:  # the index is only a cache: failing to persist it loses nothing
-            log.warning("could not write index file for user %r: %s", user, exc)
-
-    def _apply(self, user: str, before: int | None, change: Any) -> None:
-        """Bring a cached index along with a store write that moved `before` → now.
-
-        Applied incrementally only if the cache reflected `before` and no other writer slipped in
-        (generation moved by exactly one); otherwise the cache is dropped and rebuilt on demand.
-        """
-        entry = self._indexes.get(user)
-        if entry is None:
-            return
-        try:
-            after = self.store.generation(user) if self.store.has_user(user) else None
-            if before is None or after != before + 1 or entry.generation != before:
-                del self._indexes[user]
-                return
-            change(entry.index)
-            entry.generation = after
-            entry.dirty = True
-        except BaseException:
-            self._indexes.pop(user, None)
-            raise
+    def _guard(self) -> threading.RLock | nullcontext[None]:
+        """The bank lock around an SQLite bank's index cache; a database bank needs none (its pool is
+        thread-safe and the database orders concurrent writes)."""
+        return self._lock if self._cache is not None else nullcontext()
 
     def _generation_or_none(self, user: str) -> int | None:
-        return self.store.generation(user) if self.store.has_user(user) else None
+        return None if self._cache is None else self._cache.generation_or_none(user)
+
+    def _apply(self, user: str, before: int | None, change: Callable[[VectorIndex], None]) -> None:
+        if self._cache is not None:
+            self._cache.apply(user, before, change)
 
     def _encode(self, texts: list[str], queries: bool) -> torch.Tensor:
         vectors = self.encoder.encode_queries(texts) if queries else self.encoder.encode_passages(texts)
@@ -307,7 +265,7 @@ class MemoryBank:
                 raise DimensionMismatchError(f"embeddings of shape {tuple(vectors.shape)} for {len(memories)} "
                                              f"memories; this bank needs ({len(memories)}, {self.dim})")
         ids = [m.id for m in memories]
-        with self._lock:
+        with self._guard():
             self._check_open()
             before = self._generation_or_none(user)
             self.store.add(memories, vectors)
@@ -321,13 +279,13 @@ class MemoryBank:
         """
         if memory.user_id != user:
             raise ValueError(f"memory {memory.id!r} belongs to user {memory.user_id!r}, not {user!r}")
-        with self._lock:
+        with self._guard():
             self._check_open()
             self.store.require_user(user)
             (old,) = self.store.get(user, [memory.id])
             updated = replace(memory, created_at=old.created_at, updated_at=max(time.time(), old.updated_at + 1e-6))
             vector = self._encode([updated.text], queries=False) if updated.text != old.text else None
-            before = self.store.generation(user)
+            before = self._generation_or_none(user)
             self.store.update(updated, None if vector is None else vector[0])
 
             def change(index: VectorIndex) -> None:
@@ -340,21 +298,21 @@ class MemoryBank:
 
     def delete(self, user: str, ids: list[str]) -> None:
         ids = list(dict.fromkeys(ids))
-        with self._lock:
+        with self._guard():
             self._check_open()
             self.store.require_user(user)
-            before = self.store.generation(user)
+            before = self._generation_or_none(user)
             self.store.delete(user, ids)
             if ids:
                 self._apply(user, before, lambda index: index.remove(ids))
 
     def delete_user(self, user: str) -> None:
-        with self._lock:
+        with self._guard():
             self._check_open()
             self.store.require_user(user)
             self.store.delete_user(user)
-            self._indexes.pop(user, None)
-            self._index_path(user).unlink(missing_ok=True)
+            if self._cache is not None:
+                self._cache.forget(user)
 
     # -------------------------------------------------------------- reads
 
@@ -398,12 +356,15 @@ class MemoryBank:
         texts = list(queries) if queries is not None else [""] * q.shape[0]
         if len(texts) != q.shape[0]:
             raise ValueError(f"{len(texts)} query texts for {q.shape[0]} query embeddings")
-        with self._lock:
+        with self._guard():
             self._check_open()
-            index = self._index_for(user)
-            scores, ids = index.search(q, k)
-            flat = [i for row in ids for i in row]
-            gathered = index.vectors(flat) if flat else torch.zeros((0, self.dim))
+            if self._cache is None:  # the database searches: scores, ids and the hits' vectors in one go
+                scores, ids, gathered = cast(VectorSearchStorage, self.store).search(user, q.cpu(), k)
+            else:
+                index = self._cache.index_for(user)
+                scores, ids = index.search(q, k)
+                flat = [i for row in ids for i in row]
+                gathered = index.vectors(flat) if flat else torch.zeros((0, self.dim))
         q_cpu = q.cpu()
         out: list[Candidates] = []
         offset = 0
@@ -431,8 +392,8 @@ class MemoryBank:
     def flush(self) -> None:
         """Write every index changed since it was last saved (they are rebuildable anyway)."""
         with self._lock:
-            for user in list(self._indexes):
-                self._save_index(user)
+            if self._cache is not None:
+                self._cache.flush()
 
     def close(self) -> None:
         with self._lock:
@@ -442,7 +403,8 @@ class MemoryBank:
                 self.flush()
             finally:
                 self._closed = True
-                self._indexes.clear()
+                if self._cache is not None:
+                    self._cache.clear()
                 self.store.close()
 
     def __enter__(self) -> Self:
@@ -452,4 +414,4 @@ class MemoryBank:
         self.close()
 
     def __repr__(self) -> str:
-        return f"MemoryBank({str(self.path)!r}, encoder={self.encoder.name!r}, index={self.index_backend!r})"
+        return f"MemoryBank({self.location!r}, encoder={self.encoder.name!r}, index={self.index_backend!r})"

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from rmm.errors import CorruptFileError, DimensionMismatchError, RmmError, UnknownMemoryError, UnknownUserError
+from rmm.memory.rows import DuplicateMemoryError, as_matrix, check_memory, duplicate_keys
 from rmm.types import Memory
 
 __all__ = ["SCHEMA_VERSION", "DuplicateMemoryError", "MemoryStore"]
@@ -82,15 +83,8 @@ CREATE TABLE embeddings (
 _MEMORY_COLUMNS = "id, user_id, kind, text, refs, source_text, created_at, updated_at, merged_from, time_span"
 
 
-class DuplicateMemoryError(RmmError, ValueError):
-    """A memory id that already exists for that user (the store never silently overwrites)."""
-
-
 def _memory_row(memory: Memory) -> tuple[Any, ...]:
-    if not isinstance(memory, Memory):
-        raise TypeError(f"expected a Memory, got {type(memory).__name__}")
-    if not memory.id or not memory.user_id:
-        raise ValueError(f"memory needs a non-empty id and user_id, got id={memory.id!r} user_id={memory.user_id!r}")
+    check_memory(memory)
     span = None if memory.time_span is None else json.dumps(list(memory.time_span))
     return (
         memory.id,
@@ -120,15 +114,6 @@ def _memory_from_row(row: Sequence[Any]) -> Memory:
         merged_from=list(json.loads(row[8])),
         time_span=span,  # type: ignore[arg-type]
     )
-
-
-def _as_matrix(embeddings: torch.Tensor | np.ndarray, n: int) -> np.ndarray:
-    array = embeddings.detach().cpu().float().numpy() if isinstance(embeddings, torch.Tensor) else np.asarray(embeddings, dtype=np.float32)
-    if array.ndim != 2 or array.shape[0] != n:
-        raise ValueError(f"expected embeddings of shape [{n}, d], got {tuple(array.shape)}")
-    if not np.isfinite(array).all():
-        raise ValueError("embeddings contain NaN or inf")
-    return np.ascontiguousarray(array, dtype=np.float32)
 
 
 class MemoryStore:
@@ -303,10 +288,8 @@ class MemoryStore:
             return
         rows = [_memory_row(m) for m in memories]
         keys = [(m.user_id, m.id) for m in memories]
-        if len(set(keys)) != len(keys):
-            dupes = sorted({f"{u}/{i}" for (u, i) in keys if keys.count((u, i)) > 1})
-            raise DuplicateMemoryError(f"memory ids repeated within one add: {dupes[:5]}")
-        vectors = None if embeddings is None else _as_matrix(embeddings, len(memories))
+        duplicate_keys(memories)
+        vectors = None if embeddings is None else as_matrix(embeddings, len(memories))
         with self._write() as cur:
             if vectors is not None:
                 self._check_dim(cur, vectors.shape[1])
@@ -328,7 +311,7 @@ class MemoryStore:
     def update(self, memory: Memory, embedding: torch.Tensor | np.ndarray | None = None) -> None:
         """Replace every field of an existing memory; the embedding too when one is given."""
         row = _memory_row(memory)
-        vector = None if embedding is None else _as_matrix(embedding.reshape(1, -1), 1)[0]
+        vector = None if embedding is None else as_matrix(embedding.reshape(1, -1), 1)[0]
         with self._write() as cur:
             self._require_user(cur, memory.user_id)
             self._require_ids(cur, memory.user_id, [memory.id])
@@ -373,7 +356,20 @@ class MemoryStore:
         with self._write() as cur:
             cur.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value", (key, value))
 
+    def set_meta_if_absent(self, key: str, value: str) -> str:
+        """Store `value` unless `key` has one; return what is stored (first writer wins, across processes)."""
+        if not isinstance(value, str):
+            raise TypeError(f"meta values are strings (serialise them yourself), got {type(value).__name__}")
+        with self._write() as cur:
+            cur.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO NOTHING", (key, value))
+            return str(cur.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()[0])
+
     # ----------------------------------------------------------------- reads
+
+    @property
+    def location(self) -> str:
+        """The file, for messages (`MemoryStorage.location`)."""
+        return str(self.path)
 
     def get_meta(self, key: str, default: str | None = None) -> str | None:
         with self._read() as conn:
