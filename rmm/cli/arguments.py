@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 __all__ = [
     "Check", "CheckedParser", "add_check", "cosine", "device", "index_backend", "m_within_k", "non_negative_float",
     "non_negative_int", "open_fraction", "port", "positive_float", "positive_int", "positive_probability",
-    "probability", "trainable_citer",
+    "probability", "store_url", "trainable_citer",
 ]
 
 Number = TypeVar("Number", int, float)
@@ -152,3 +152,18 @@ def add_check(parser: argparse.ArgumentParser, check: Check, *, first: bool = Fa
     (settings from `--config`), so that cross-flag checks see the effective values."""
     if isinstance(parser, CheckedParser):
         parser.checks.insert(0 if first else len(parser.checks), check)
+
+
+def store_url(text: str) -> str:
+    """A PostgreSQL bank URL (``postgresql://user@host/db[?schema=NAME]``), checked by libpq's rules."""
+    from rmm.errors import RmmError
+    from rmm.memory.pg_connect import parse_location
+    from rmm.memory.storage import is_database_url
+
+    try:
+        if not is_database_url(text):
+            raise RmmError(f"expected a postgresql:// URL, got {text!r} (a folder bank needs no --store)")
+        parse_location(text)
+    except RmmError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from rmm.cli.arguments import cosine, index_backend, positive_int
+from rmm.cli.arguments import cosine, index_backend, positive_int, store_url
 from rmm.cli.common import (
     DEFAULT_RETRIEVER,
     add_common_options,
@@ -46,6 +46,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--merge-threshold", type=cosine, default=0.8,
                    help="fallback topics: cosine above which a topic merges into an existing one")
     p.add_argument("--json", help="write the numbers as JSON")
+    p.add_argument("--store", type=store_url,
+                   help="keep the benchmark banks in PostgreSQL + pgvector (postgresql://…) instead of the cache folder")
     add_common_options(p)
     add_config_options(p, label="evaluation config", example="configs/eval/locomo-cpu.yaml")
     p.set_defaults(func=run)
@@ -65,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
             opened = open_retriever(name, dataset, granularity, cache=args.cache_dir, device=args.device,
                                     batch_size=args.batch_size, index_backend=args.index,
                                     llm=llm if granularity == "topic" else None,
-                                    reflector_options=reflector if granularity == "topic" else None)
+                                    reflector_options=reflector if granularity == "topic" else None,
+                                    store=args.store)
             t0 = time.perf_counter()
             topic_source = f"PR: {llm.name}" if llm else "PR: fallback topics"
             label = name if granularity != "topic" else f"{name} ({topic_source})"

@@ -11,7 +11,14 @@ import logging
 import secrets
 from typing import Any
 
-from rmm.cli.arguments import device, index_backend, non_negative_float, port, positive_int
+from rmm.cli.arguments import (
+    device,
+    index_backend,
+    non_negative_float,
+    port,
+    positive_int,
+    store_url,
+)
 from rmm.cli.common import add_verbose
 
 __all__ = ["register", "run"]
@@ -39,6 +46,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--key-file", help="file of 'KEY TENANT' lines (API keys)")
     p.add_argument("--dev-key", action="store_true",
                    help="when no API key is configured, generate one for tenant 'default' and log it")
+    p.add_argument("--store", type=store_url,
+                   help="postgresql://user@host/db[?schema=NAME]: memories and search in PostgreSQL + pgvector "
+                        "(the bank folder keeps the rest); default: the folder's SQLite")
     add_verbose(p)
     p.set_defaults(func=run)
     return p
@@ -56,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         "index_backend": args.index_backend, "device": args.device, "llm": args.llm,
         "batching.max_batch": args.max_batch, "batching.max_wait_ms": args.max_wait_ms,
         "batching.enabled": False if args.no_batching else None, "auth.key_file": args.key_file,
+        "store": args.store,
     }
     config = load_config(args.config, overrides)
     if not config.auth.resolve():

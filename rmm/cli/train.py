@@ -19,6 +19,7 @@ from rmm.cli.arguments import (
     positive_int,
     positive_probability,
     probability,
+    store_url,
     trainable_citer,
 )
 from rmm.cli.common import (
@@ -86,6 +87,8 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the report as JSON")
     p.add_argument("--plot", help="write the learning curves as PNG")
     p.add_argument("--wandb", metavar="PROJECT", help="log to Weights & Biases (or set $WANDB_PROJECT)")
+    p.add_argument("--store", type=store_url,
+                   help="keep the benchmark bank in PostgreSQL + pgvector (postgresql://…) instead of the cache folder")
     g = p.add_argument_group("real generator (--citer openai:/vllm:/hf:)")
     g.add_argument("--structured", action="store_true",
                    help="ask for JSON answers {answer, citations} (constrained decoding where the backend has it)")
@@ -126,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     dataset = load_benchmark(args)
     opened = open_retriever(args.retriever, dataset, "turn", cache=args.cache_dir, device=args.device,
-                            batch_size=args.batch_size)
+                            batch_size=args.batch_size, store=args.store)
     if opened.encoder is None:
         raise RmmError(f"the reranker needs a dense retriever (embeddings); {args.retriever!r} has none")
     cfg = _online_config(args, normalized_encoder=opened.encoder.config.normalize)

@@ -19,6 +19,7 @@ from rmm.encoders import Encoder, load_encoder
 from rmm.errors import RmmError
 from rmm.memory.bank import MemoryBank
 from rmm.memory.bm25 import BM25Retriever
+from rmm.memory.storage import MemoryStorage, open_store
 from rmm.memory.store import MemoryStore
 from rmm.paths import cache_dir
 from rmm.types import Dataset, Memory, Retriever
@@ -67,7 +68,7 @@ def dataset_digest(dataset: Dataset, granularity: str) -> str:
     return h.hexdigest()[:16]
 
 
-def fill(bank_or_store: MemoryBank | MemoryStore, dataset: Dataset, granularity: str,
+def fill(bank_or_store: MemoryBank | MemoryStorage, dataset: Dataset, granularity: str,
          progress: bool = True) -> None:
     """Add every user's documents that are not there yet (an interrupted build resumes)."""
     store = bank_or_store.store if isinstance(bank_or_store, MemoryBank) else bank_or_store
@@ -113,11 +114,13 @@ class DatasetRetriever:
 def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str | Path | None = None,
                    device: str = "auto", index_backend: str = "torch", batch_size: int = 64,
                    progress: bool = True, llm: LLM | None = None,
-                   reflector_options: dict[str, Any] | None = None) -> DatasetRetriever:
+                   reflector_options: dict[str, Any] | None = None, store: str | None = None) -> DatasetRetriever:
     """`bm25`, an encoder preset, or an encoder folder → a filled, cached retriever for `dataset`.
 
     Topic granularity builds the bank by prospective reflection (with `llm`, else the labelled
-    non-LLM fallback); the cache key includes the reflector's settings.
+    non-LLM fallback); the cache key includes the reflector's settings. With `store` (a
+    ``postgresql://`` URL) the bank is kept in that database, one schema per cache key, instead of
+    the cache folder.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -127,24 +130,36 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
         if name in LEXICAL_RETRIEVERS:
             raise RmmError("topic memories are built with embeddings: use a dense retriever, not bm25")
         return _open_topic_bank(name, dataset, root, digest, device=device, index_backend=index_backend,
-                                batch_size=batch_size, progress=progress, llm=llm, options=reflector_options or {})
+                                batch_size=batch_size, progress=progress, llm=llm, options=reflector_options or {},
+                                store=store)
     if name in LEXICAL_RETRIEVERS:
         path = root / f"{dataset.name}-{granularity}-{digest}-bm25.sqlite"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        store = MemoryStore(path)
-        fill(store, dataset, granularity, progress)
-        return DatasetRetriever(name, BM25Retriever(store), None, path)
+        if store is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        texts = MemoryStore(path) if store is None else open_store(_in_database(path, store))
+        fill(texts, dataset, granularity, progress)
+        return DatasetRetriever(name, BM25Retriever(texts), None, path if store is None else None)
     encoder = load_encoder(name, device=device, batch_size=batch_size)
     enc_key = hashlib.sha256(encoder.fingerprint.encode()).hexdigest()[:12]
     path = root / f"{dataset.name}-{granularity}-{digest}-{enc_key}"
-    bank = MemoryBank(path, encoder, index_backend=index_backend, device=device)
+    bank = MemoryBank(_in_database(path, store), encoder, index_backend=index_backend, device=device)
     fill(bank, dataset, granularity, progress)
-    log.info("bank for %s/%s with %s at %s", dataset.name, granularity, encoder.name, path)
-    return DatasetRetriever(name, bank, encoder, path)
+    log.info("bank for %s/%s with %s at %s", dataset.name, granularity, encoder.name, bank.location)
+    return DatasetRetriever(name, bank, encoder, bank.path)
+
+
+def _in_database(path: Path, store: str | None) -> str | Path:
+    """The cached bank's folder, or — with a database `store` — a schema there named after it."""
+    if store is None:
+        return path
+    from rmm.memory.pg_connect import schema_name, with_schema
+
+    return with_schema(store, schema_name(path.name.removesuffix(".sqlite")))
 
 
 def _open_topic_bank(name: str, dataset: Dataset, root: Path, digest: str, *, device: str, index_backend: str,
-                     batch_size: int, progress: bool, llm: LLM | None, options: dict[str, Any]) -> DatasetRetriever:
+                     batch_size: int, progress: bool, llm: LLM | None, options: dict[str, Any],
+                     store: str | None = None) -> DatasetRetriever:
     from rmm.reflection import ProspectiveReflector, SegmenterConfig
 
     encoder = load_encoder(name, device=device, batch_size=batch_size)
@@ -154,11 +169,11 @@ def _open_topic_bank(name: str, dataset: Dataset, root: Path, digest: str, *, de
     probe = ProspectiveReflector(_KeyOnly(encoder), llm, segmenter=segmenter, **options)  # type: ignore[arg-type]
     settings = hashlib.sha256(probe.settings_key.encode()).hexdigest()[:10]
     path = root / f"{dataset.name}-topic-{digest}-{enc_key}-{settings}"
-    bank = MemoryBank(path, encoder, index_backend=index_backend, device=device)
+    bank = MemoryBank(_in_database(path, store), encoder, index_backend=index_backend, device=device)
     reflector = ProspectiveReflector(bank, llm, segmenter=segmenter, **options)
     fill_topics(bank, dataset, reflector, progress)
-    log.info("topic bank for %s with %s (%s) at %s", dataset.name, encoder.name, probe.settings_key, path)
-    return DatasetRetriever(name, bank, encoder, path)
+    log.info("topic bank for %s with %s (%s) at %s", dataset.name, encoder.name, probe.settings_key, bank.location)
+    return DatasetRetriever(name, bank, encoder, bank.path)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rmm.memory.store import MemoryStore
+from rmm.memory.storage import MemoryStorage
 from rmm.types import Candidates
 
 __all__ = ["BM25Retriever"]
@@ -40,7 +40,7 @@ class _UserBM25:
 class BM25Retriever:
     """BM25 (Lucene variant, k1=1.5, b=0.75 by default) per user, over `store`'s memory texts."""
 
-    def __init__(self, store: MemoryStore, k1: float = 1.5, b: float = 0.75, method: str = "lucene", stopwords: str = "en") -> None:
+    def __init__(self, store: MemoryStorage, k1: float = 1.5, b: float = 0.75, method: str = "lucene", stopwords: str = "en") -> None:
         self.store = store
         self.k1, self.b, self.method, self.stopwords = k1, b, method, stopwords
         self._lock = threading.RLock()

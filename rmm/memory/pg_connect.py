@@ -40,6 +40,7 @@ __all__ = [
     "migrate",
     "open_pool",
     "parse_location",
+    "schema_name",
     "with_schema",
 ]
 
@@ -99,6 +100,18 @@ def with_schema(url: str, schema: str) -> str:
     parts = urlsplit(url)
     query = [(key, value) for key, value in parse_qsl(parts.query, keep_blank_values=True) if key != "schema"]
     return urlunsplit(parts._replace(query=urlencode([*query, ("schema", schema)], quote_via=quote)))
+
+
+def schema_name(key: str) -> str:
+    """A valid bank schema name for any key (e.g. a cached benchmark bank's folder name)."""
+    import hashlib
+
+    name = re.sub(r"[^a-z0-9_]+", "_", key.lower()).strip("_") or "bank"
+    if name[0].isdigit():
+        name = f"b_{name}"
+    if len(name) > 63:
+        name = f"{name[:50]}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return name
 
 
 def _mask(parts: Any) -> str:

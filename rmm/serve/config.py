@@ -125,6 +125,7 @@ class ServeConfig:
     """Everything `rmm serve` needs; `configs/serve.yaml` documents each field."""
 
     bank: str = ""
+    store: str = ""  # "": memories in the bank folder (SQLite); postgresql://…: in that database (pgvector)
     host: str = "127.0.0.1"
     port: int = 8080
     encoder: str = "minilm"
@@ -155,6 +156,11 @@ class ServeConfig:
     def validate(self) -> ServeConfig:
         if not self.bank:
             raise ConfigError("bank: a bank folder is required (rmm serve --bank PATH, or `bank:` in the config)")
+        if self.store:
+            from rmm.memory.storage import is_database_url
+
+            if not is_database_url(self.store):
+                raise ConfigError(f"store must be a postgresql:// URL (or empty for the bank folder), got {self.store!r}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1 or null, got {self.torch_threads}")
         if self.query_precision not in ("auto", "float32", "int8"):
