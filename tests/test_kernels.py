@@ -394,24 +394,3 @@ def test_auto_device_components_run_on_cpu_without_cuda(monkeypatch: pytest.Monk
 
 
 # ---- the A100 recipes stay in step with `rmm train`'s flags ----------------------------------------
-def test_a100_online_recipes_parse_with_the_train_cli() -> None:
-    from pathlib import Path
-
-    import yaml
-
-    from rmm.cli import build_parser
-
-    folder = Path(__file__).resolve().parents[1] / "configs" / "train"
-    recipes = sorted(folder.glob("online-*-a100.yaml"))
-    assert {p.stem for p in recipes} >= {"online-contriever-a100", "online-stella-a100", "online-gte-a100"}
-    for path in recipes:
-        recipe = yaml.safe_load(path.read_text())
-        assert recipe["command"] == "rmm train"
-        argv = ["train"]
-        for flag, value in recipe["args"].items():
-            if value is None or value is False:
-                continue
-            argv += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
-        args = build_parser().parse_args(argv)
-        assert args.device == "cuda" and args.k == 20 and args.m == 5
-        assert args.retriever in path.stem
