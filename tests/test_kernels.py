@@ -391,6 +391,3 @@ def test_auto_device_components_run_on_cpu_without_cuda(monkeypatch: pytest.Monk
     assert ids == [["b"]] and scores.device.type == "cpu"
     learner = Learner(ResidualLinearReranker(4), device="auto")
     assert learner.device == torch.device("cpu") and learner.reranker.W_q.weight.device.type == "cpu"
-
-
-# ---- the A100 recipes stay in step with `rmm train`'s flags ----------------------------------------
