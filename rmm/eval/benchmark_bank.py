@@ -19,6 +19,7 @@ from rmm.encoders import Encoder, load_encoder
 from rmm.errors import RmmError
 from rmm.memory.bank import MemoryBank
 from rmm.memory.bm25 import BM25Retriever
+from rmm.memory.hybrid import HybridRetriever
 from rmm.memory.storage import MemoryStorage, open_store
 from rmm.memory.store import MemoryStore
 from rmm.paths import cache_dir
@@ -33,6 +34,20 @@ log = logging.getLogger(__name__)
 GRANULARITIES = ("turn", "session", "topic")
 STATIC_GRANULARITIES = ("turn", "session")  # topic memories come from prospective reflection
 LEXICAL_RETRIEVERS = ("bm25",)
+HYBRID = "hybrid"
+DEFAULT_HYBRID_DENSE = "minilm"
+
+
+def hybrid_dense(name: str) -> str | None:
+    """`hybrid` → the default dense encoder, `hybrid:DENSE` → DENSE; None for any other retriever name."""
+    if name == HYBRID:
+        return DEFAULT_HYBRID_DENSE
+    if name.startswith(HYBRID + ":"):
+        dense = name[len(HYBRID) + 1:]
+        if not dense or dense in LEXICAL_RETRIEVERS or hybrid_dense(dense) is not None:
+            raise RmmError(f"hybrid:DENSE needs a dense encoder preset or folder after the colon, got {name!r}")
+        return dense
+    return None
 
 
 def documents(dataset: Dataset, user: str, granularity: str) -> list[Memory]:
@@ -115,7 +130,11 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
                    device: str = "auto", index_backend: str = "torch", batch_size: int = 64,
                    progress: bool = True, llm: LLM | None = None,
                    reflector_options: dict[str, Any] | None = None, store: str | None = None) -> DatasetRetriever:
-    """`bm25`, an encoder preset, or an encoder folder → a filled, cached retriever for `dataset`.
+    """`bm25`, an encoder preset, an encoder folder, or `hybrid[:DENSE]` → a filled, cached retriever.
+
+    `hybrid[:DENSE]` (default DENSE: minilm) is BM25 over the dense bank's own store fused with the
+    bank's search (`rmm.memory.hybrid`, reciprocal-rank fusion); its candidates carry bank
+    embeddings, so the reranker and `rmm train` take it like a dense bank.
 
     Topic granularity builds the bank by prospective reflection (with `llm`, else the labelled
     non-LLM fallback); the cache key includes the reflector's settings. With `store` (a
@@ -124,6 +143,12 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    dense = hybrid_dense(name)
+    if dense is not None:
+        inner = open_retriever(dense, dataset, granularity, cache=cache, device=device, index_backend=index_backend,
+                               batch_size=batch_size, progress=progress, llm=llm,
+                               reflector_options=reflector_options, store=store)
+        return DatasetRetriever(name, HybridRetriever(inner.retriever), inner.encoder, inner.path)  # type: ignore[arg-type]
     digest = dataset_digest(dataset, granularity)
     root = cache_dir(cache) / "banks"
     if granularity == "topic":

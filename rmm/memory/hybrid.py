@@ -1,0 +1,170 @@
+"""Hybrid first stage: BM25 and a dense bank searched separately, their rankings fused.
+
+Lexical and dense retrieval miss different things (BM25 finds the rare name or date a small
+encoder blurs; the encoder finds the paraphrase BM25 cannot), so the union of their top lists
+holds more gold than either. Both lists are fused into one ranking and cut to k.
+
+Fusion is reciprocal-rank fusion by default (`score(d) = Σ_r 1 / (rrf_k + rank_r(d))`, ranks from
+1, Cormack et al. 2009): it needs no score calibration, so it behaves the same on any encoder and
+any BM25 scale. `fusion="convex"` is the alternative: per query, each retriever's scores are
+min-max normalised over its own top list (a document a retriever did not return gets 0 from it)
+and mixed as `alpha · dense + (1 − alpha) · lexical`. `scripts/choose_fusion.py` compares them on
+LoCoMo's training conversations; `docs/results.md` records the choice.
+
+Every candidate carries its bank embedding (the dense bank is asked for the vectors of memories
+only BM25 found), and the query embedding is the encoder's, so the reranker rescores hybrid
+candidates exactly as it rescores dense ones. The BM25 index is built over the bank's own store,
+so both halves always see the same memories.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from rmm.memory.bank import EncoderLike, MemoryBank
+from rmm.memory.bm25 import BM25Retriever
+from rmm.memory.storage import MemoryStorage
+from rmm.types import Candidates, Memory
+
+__all__ = ["FUSIONS", "HybridRetriever", "convex_fuse", "rrf_fuse"]
+
+log = logging.getLogger(__name__)
+
+Fusion = Literal["rrf", "convex"]
+FUSIONS: tuple[str, ...] = ("rrf", "convex")
+
+
+def rrf_fuse(rankings: Sequence[Sequence[str]], rrf_k: float = 60.0) -> dict[str, float]:
+    """Reciprocal-rank fusion of ranked id lists: id → Σ 1/(rrf_k + rank), rank counted from 1."""
+    if rrf_k < 0:
+        raise ValueError(f"rrf_k must be >= 0, got {rrf_k}")
+    fused: dict[str, float] = {}
+    for ranking in rankings:
+        for rank, memory_id in enumerate(ranking, start=1):
+            fused[memory_id] = fused.get(memory_id, 0.0) + 1.0 / (rrf_k + rank)
+    return fused
+
+
+def _min_max(ids: Sequence[str], scores: Sequence[float]) -> dict[str, float]:
+    """Scores mapped to [0, 1] over one list (all equal → all 1: each was returned, none is worse)."""
+    if not ids:
+        return {}
+    lo, hi = min(scores), max(scores)
+    span = hi - lo
+    return {i: (1.0 if span == 0 else (s - lo) / span) for i, s in zip(ids, scores)}
+
+
+def convex_fuse(dense: tuple[Sequence[str], Sequence[float]], lexical: tuple[Sequence[str], Sequence[float]],
+                alpha: float) -> dict[str, float]:
+    """alpha · normalised dense + (1 − alpha) · normalised lexical; a missing score counts as 0."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    d, b = _min_max(*dense), _min_max(*lexical)
+    return {i: alpha * d.get(i, 0.0) + (1.0 - alpha) * b.get(i, 0.0) for i in {**d, **b}}
+
+
+class HybridRetriever:
+    """BM25 + a dense `MemoryBank`, fused; quacks like the bank for everything the trainer reads."""
+
+    def __init__(self, bank: MemoryBank, *, fusion: Fusion = "rrf", rrf_k: float = 60.0, alpha: float = 0.5,
+                 depth: int = 50, lexical: BM25Retriever | None = None) -> None:
+        if fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be a positive integer, got {depth!r}")
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        if rrf_k < 0:
+            raise ValueError(f"rrf_k must be >= 0, got {rrf_k}")
+        self.bank = bank
+        self.lexical = lexical if lexical is not None else BM25Retriever(bank.store)
+        self.fusion, self.rrf_k, self.alpha, self.depth = fusion, rrf_k, alpha, depth
+
+    # -- what callers of a dense bank read ------------------------------------------------------
+    @property
+    def store(self) -> MemoryStorage:  # evaluators map ids back to memories through it
+        return self.bank.store
+
+    @property
+    def encoder(self) -> EncoderLike:
+        return self.bank.encoder
+
+    @property
+    def dim(self) -> int:
+        return self.bank.dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.bank.device
+
+    @property
+    def path(self) -> Path | None:
+        return self.bank.path
+
+    def users(self) -> list[str]:
+        return self.bank.users()
+
+    def memories(self, user: str) -> list[Memory]:
+        return self.bank.memories(user)
+
+    def get(self, user: str, ids: list[str]) -> list[Memory]:
+        return self.bank.get(user, ids)
+
+    def embeddings(self, user: str, ids: list[str]) -> torch.Tensor:
+        return self.bank.embeddings(user, ids)
+
+    # -- search ---------------------------------------------------------------------------------
+    def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
+        """Each query's top-k by fused score, with bank embeddings; `retriever_scores` = fused scores."""
+        if isinstance(queries, str):
+            raise TypeError("queries must be a list of strings (got one string)")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        queries = list(queries)
+        if not queries:
+            return []
+        depth = max(k, self.depth)
+        dense = self.bank.search(queries, user, depth)
+        lexical = self.lexical.search(queries, user, depth)
+        return [self._fuse(d, b, k, user) for d, b in zip(dense, lexical)]
+
+    def fused_scores(self, dense: Candidates, lexical: Candidates) -> dict[str, float]:
+        """id → fused score over the union of both lists (the fusion rule alone, for tests and tuning)."""
+        if self.fusion == "rrf":
+            return rrf_fuse([dense.memory_ids, lexical.memory_ids], self.rrf_k)
+        return convex_fuse((dense.memory_ids, dense.retriever_scores.tolist()),
+                           (lexical.memory_ids, lexical.retriever_scores.tolist()), self.alpha)
+
+    def _fuse(self, dense: Candidates, lexical: Candidates, k: int, user: str) -> Candidates:
+        fused = self.fused_scores(dense, lexical)
+        dense_rank = {m: i for i, m in enumerate(dense.memory_ids)}
+        lexical_rank = {m: i for i, m in enumerate(lexical.memory_ids)}
+        # Ties (equal fused score) go to the better dense rank, then the better lexical rank: deterministic.
+        far = len(dense.memory_ids) + len(lexical.memory_ids)
+        order = sorted(fused, key=lambda m: (-fused[m], dense_rank.get(m, far), lexical_rank.get(m, far)))[:k]
+        embeddings = self._embeddings(dense, order, user)
+        return Candidates(
+            query=dense.query,
+            memory_ids=order,
+            retriever_scores=torch.tensor([fused[m] for m in order], dtype=torch.float32),
+            embeddings=embeddings,
+            query_embedding=dense.query_embedding,
+            user_id=user,
+        )
+
+    def _embeddings(self, dense: Candidates, order: list[str], user: str) -> torch.Tensor:
+        """The bank vectors of `order`: taken from the dense hits, fetched from the bank for BM25-only ones."""
+        dim = self.bank.dim
+        out = torch.zeros((len(order), dim), dtype=torch.float32)
+        position = {m: i for i, m in enumerate(dense.memory_ids)}
+        missing = [m for m in order if m not in position]
+        fetched = dict(zip(missing, self.bank.embeddings(user, missing))) if missing else {}
+        assert dense.embeddings is not None  # a MemoryBank's candidates always carry them
+        for row, m in enumerate(order):
+            out[row] = dense.embeddings[position[m]] if m in position else fetched[m]
+        return out

@@ -1,0 +1,117 @@
+"""HybridRetriever: BM25 + dense fused; the fusion rules by hand, each half's finds kept, embeddings on every candidate."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from rmm.errors import RmmError
+from rmm.eval.benchmark_bank import hybrid_dense
+from rmm.memory.bank import MemoryBank
+from rmm.memory.hybrid import HybridRetriever, convex_fuse, rrf_fuse
+from rmm.types import Memory
+
+# The "dense" encoder knows concepts, not words: synonyms share a dimension, and a word it does not
+# know (a name such as Pixel) contributes nothing. So dense retrieval finds paraphrases BM25 cannot,
+# and BM25 finds the name the encoder is blind to.
+CONCEPTS = {"feline": 0, "cat": 0, "kitty": 0, "physician": 1, "doctor": 1, "medic": 1, "mountains": 2,
+            "alps": 2, "curry": 3, "spicy": 3, "boat": 4, "sailing": 4, "piano": 5, "music": 5}
+DIM = 8
+
+
+class ConceptEncoder:
+    name, dim, fingerprint = "concepts", DIM, "concepts-v1"
+
+    def encode_queries(self, texts: list[str]) -> torch.Tensor:
+        out = torch.zeros((len(texts), DIM))
+        out[:, DIM - 1] = 0.1  # a shared bias dimension: unrelated texts tie at a small positive cosine
+        for i, text in enumerate(texts):
+            for word in re.findall(r"[a-z]+", text.lower()):
+                if word in CONCEPTS:
+                    out[i, CONCEPTS[word]] += 1.0
+        return torch.nn.functional.normalize(out, dim=-1)
+
+    encode_passages = encode_queries
+
+
+TEXTS = {
+    "kitty": "Her kitty sleeps on the sofa all day",              # dense-only for "feline"
+    "pixel": "Pixel sleeps to piano music",                        # BM25-only for "Pixel": dense last
+    "medic": "She trained as a medic in the army",
+    "alps": "They went hiking in the Alps in June",
+    "curry": "Spicy curry is her favourite dinner",
+    "boat": "Sailing the boat on the lake every summer",
+    "piano": "She plays piano music at night",
+}
+
+
+@pytest.fixture
+def bank(tmp_path: Path) -> MemoryBank:
+    with MemoryBank(tmp_path / "bank", ConceptEncoder(), device="cpu") as b:
+        b.add("u", [Memory(id=k, user_id="u", kind="turn", text=v) for k, v in TEXTS.items()])
+        yield b
+
+
+def test_rrf_by_hand() -> None:
+    fused = rrf_fuse([["a", "b", "c"], ["c", "d"]], rrf_k=1)
+    assert fused == pytest.approx({"a": 1 / 2, "b": 1 / 3, "c": 1 / 4 + 1 / 2, "d": 1 / 3})
+    with pytest.raises(ValueError):
+        rrf_fuse([["a"]], rrf_k=-1)
+
+
+def test_convex_by_hand() -> None:
+    fused = convex_fuse((["a", "b", "c"], [0.9, 0.5, 0.1]), (["c", "d"], [8.0, 2.0]), alpha=0.25)
+    # dense normalised: a 1, b 0.5, c 0; lexical: c 1, d 0.
+    assert fused == pytest.approx({"a": 0.25, "b": 0.125, "c": 0.75, "d": 0.0})
+    assert convex_fuse((["a"], [3.0]), ([], []), alpha=1.0) == {"a": 1.0}  # a one-item list is not worse than itself
+    with pytest.raises(ValueError):
+        convex_fuse((["a"], [1.0]), ([], []), alpha=1.5)
+
+
+def test_hybrid_keeps_what_only_one_half_finds(bank: MemoryBank) -> None:
+    hybrid = HybridRetriever(bank, depth=2)
+    query = "Is Pixel a feline?"
+    (dense,) = bank.search([query], "u", 2)
+    (lexical,) = hybrid.lexical.search([query], "u", 2)
+    assert dense.memory_ids[0] == "kitty" and "pixel" not in dense.memory_ids
+    assert lexical.memory_ids == ["pixel"]  # "kitty" shares no word with the query
+    (c,) = hybrid.search([query], "u", 2)
+    assert set(c.memory_ids) == {"kitty", "pixel"}
+    # Both are rank 1 in one list and absent from the other: a tie, broken towards the dense rank.
+    assert c.memory_ids == ["kitty", "pixel"]
+    assert c.retriever_scores.tolist() == pytest.approx([1 / 61, 1 / 61])
+
+
+def test_every_candidate_carries_its_bank_embedding(bank: MemoryBank) -> None:
+    hybrid = HybridRetriever(bank, depth=3)
+    queries = ["Pixel the feline and the doctor", "sailing the boat", "zzz qqq"]
+    for c in hybrid.search(queries, "u", 4):
+        assert c.embeddings is not None and c.embeddings.shape == (len(c), DIM)
+        assert torch.allclose(c.embeddings, bank.embeddings("u", c.memory_ids))
+        assert torch.allclose(c.query_embedding, ConceptEncoder().encode_queries([c.query])[0])
+        assert (c.retriever_scores[:-1] >= c.retriever_scores[1:]).all()
+
+
+def test_convex_hybrid_orders_by_mixed_scores(bank: MemoryBank) -> None:
+    query = "Pixel the feline"
+    (dense,) = bank.search([query], "u", 7)
+    lexical_only = HybridRetriever(bank, fusion="convex", alpha=0.0).search([query], "u", 1)[0]
+    dense_only = HybridRetriever(bank, fusion="convex", alpha=1.0).search([query], "u", 1)[0]
+    assert lexical_only.memory_ids == ["pixel"] and dense_only.memory_ids == [dense.memory_ids[0]] == ["kitty"]
+
+
+def test_bad_settings_and_names(bank: MemoryBank) -> None:
+    with pytest.raises(ValueError):
+        HybridRetriever(bank, fusion="max")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        HybridRetriever(bank, depth=0)
+    with pytest.raises(ValueError):
+        HybridRetriever(bank).search(["q"], "u", 0)
+    assert hybrid_dense("hybrid") == "minilm" and hybrid_dense("hybrid:contriever") == "contriever"
+    assert hybrid_dense("minilm") is None and hybrid_dense("bm25") is None
+    for bad in ("hybrid:", "hybrid:bm25", "hybrid:hybrid"):
+        with pytest.raises(RmmError):
+            hybrid_dense(bad)
