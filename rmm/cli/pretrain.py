@@ -52,6 +52,8 @@ def _recipe_problem(args: argparse.Namespace) -> str | None:
 
 
 def _fmt(value: Any) -> str:
+    if value is None:  # e.g. no validation users: no val loss
+        return "-"
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 

@@ -2,11 +2,11 @@
 
 Lightning gives its loggers handlers of their own (`lightning` always, `lightning.pytorch` when it is
 imported before the application set up logging), so once the application's root handler exists
-too, records print twice (`INFO: …` and `INFO lightning.pytorch…: …`). It also logs advertisements for its cloud products, and its
-pytree helper trips a torch deprecation the user cannot act on. `lightning_console` routes
-Lightning's records through exactly one handler (the application's when it has one, else
-Lightning's own), drops the advertisements, and silences that one warning, restoring everything
-afterwards.
+too, records print twice (`INFO: …` and `INFO lightning.pytorch…: …`). It also logs
+advertisements for its cloud products, and its pytree helper trips a torch deprecation the user
+cannot act on. `lightning_console` routes Lightning's records through exactly one handler (the
+application's when it has one, else Lightning's own), drops the advertisements, and silences that
+one warning, restoring everything afterwards.
 """
 
 from __future__ import annotations

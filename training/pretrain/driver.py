@@ -51,7 +51,8 @@ class PretrainInterrupted(KeyboardInterrupt):
         if checkpoint is not None:
             message = f"interrupted — last checkpoint at {checkpoint} (resume with resume_from={checkpoint})"
         else:
-            message = "interrupted — no checkpoint yet (one is written at the end of every epoch when checkpoint=true)"
+            message = ("interrupted — no checkpoint yet (one is written at the end of every epoch when "
+                       "checkpoint=true)")
         super().__init__(message)
 
     def __str__(self) -> str:
@@ -146,8 +147,26 @@ def build(cfg: PretrainConfig, dataset: Dataset | None = None) -> tuple[Contrast
     return module, data
 
 
+def _progress_bar(cfg: PretrainConfig) -> L.Callback:
+    """Lightning's bar, redrawn every step on CPU (steps take seconds) but every 10th on a GPU: each
+    redraw reads the logged loss, a device sync that would stop the CPU from queueing the next step."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    refresh = 1 if cfg.accelerator == "cpu" or not _cuda_available() else 10
+    return RichProgressBar(refresh_rate=refresh) if _RICH_AVAILABLE else TQDMProgressBar(refresh_rate=refresh)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def make_trainer(cfg: PretrainConfig, callbacks: list[Any] | None = None) -> L.Trainer:
     callbacks = list(callbacks or [])
+    if cfg.progress:
+        callbacks.append(_progress_bar(cfg))
     if cfg.checkpoint:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -163,6 +182,8 @@ def make_trainer(cfg: PretrainConfig, callbacks: list[Any] | None = None) -> L.T
         logger=_wandb_logger(cfg), callbacks=callbacks, enable_checkpointing=cfg.checkpoint,
         log_every_n_steps=cfg.log_every_n_steps, enable_progress_bar=cfg.progress, num_sanity_val_steps=0,
         limit_val_batches=None if cfg.val_fraction > 0 else 0,  # no validation users: no loop, no warning
+        # a one-epoch run capped by max_steps: the progress bar's total (and ETA) is the cap, not the epoch
+        limit_train_batches=cfg.max_steps if cfg.max_steps > 0 and cfg.epochs == 1 else None,
         default_root_dir=cfg.output_dir, enable_model_summary=False,
     )
 
@@ -235,9 +256,9 @@ def _run(cfg: PretrainConfig, dataset: Dataset | None, callbacks: list[L.Callbac
         throughput = _Throughput()
         watch = _InterruptWatch()
         trainer = make_trainer(cfg, [throughput, watch, *callbacks])
-        log.info("training %s on %s (%s precision%s): %d epoch(s)%s, batch %d", cfg.encoder, trainer.strategy.root_device,
-                 trainer.precision, ", torch.compile" if cfg.torch_compile else "", cfg.epochs,
-                 f", at most {cfg.max_steps} steps" if cfg.max_steps > 0 else "", cfg.batch_size)
+        log.info("training %s on %s (%s precision%s): %d epoch(s)%s, batch %d", cfg.encoder,
+                 trainer.strategy.root_device, trainer.precision, ", torch.compile" if cfg.torch_compile else "",
+                 cfg.epochs, f", at most {cfg.max_steps} steps" if cfg.max_steps > 0 else "", cfg.batch_size)
         started = time.perf_counter()
         _fit(trainer, module, data, cfg, watch)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
