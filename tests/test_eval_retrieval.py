@@ -80,3 +80,17 @@ def test_questions_without_gold_are_skipped(tiny):
     assert dataset.questions[0] not in scorable(dataset.questions, scorer)
     report = evaluate(dataset, _PerUser(store, dataset), "turn", (5,), progress=False)
     assert report.skipped == 1
+
+
+def test_headroom_captured() -> None:
+    from rmm.cli.tables import headroom_cell
+    from rmm.eval.retrieval import headroom_captured
+
+    # base R@5 0.30, base R@20 0.46 (ceiling): 0.16 of headroom; reranked R@5 0.34 took a quarter of it.
+    assert headroom_captured(0.34, 0.30, 0.46) == pytest.approx(0.25)
+    assert headroom_captured(0.46, 0.30, 0.46) == pytest.approx(1.0)
+    assert headroom_captured(0.26, 0.30, 0.46) == pytest.approx(-0.25)  # the reranker lost ground
+    assert headroom_captured(0.40, 0.40, 0.40) is None  # no headroom: nothing to capture, no division by zero
+    with pytest.raises(ValueError, match="recall@K"):
+        headroom_captured(0.3, 0.5, 0.4)
+    assert headroom_cell(0.25) == "25%" and headroom_cell(None) == "n/a (no headroom)"

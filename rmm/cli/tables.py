@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-__all__ = ["Figures", "print_figures"]
+__all__ = ["Figures", "headroom_cell", "print_figures"]
 
 _UNBOUNDED = 100_000
 
@@ -49,6 +49,11 @@ class Figures:
         for row in self.rows:
             table.add_row(*row)
         return table
+
+
+def headroom_cell(share: float | None) -> str:
+    """A share of headroom captured (`rmm.eval.retrieval.headroom_captured`) as a table cell."""
+    return "n/a (no headroom)" if share is None else f"{100 * share:.0f}%"
 
 
 def _two_lines(header: str) -> str:

@@ -49,6 +49,21 @@ class GoldScorer:
         return score_question([self.units(refs) for refs in ranked_refs], self.gold(question), ks, n_relevant)
 
 
+def headroom_captured(reranked_at_m: float, base_at_m: float, base_at_k: float) -> float | None:
+    """Share of the headroom the reranker captured: (reranked R@M − base R@M) / (base R@K − base R@M).
+
+    A reranker of the top-K can at best bring every gold memory of the K candidates into the top M,
+    so base R@K is its ceiling. 1 = all of it, 0 = none, negative = it lost ground. None when there is
+    no headroom (base R@K = base R@M): nothing could be captured, and a ratio would divide by zero.
+    """
+    if base_at_k < base_at_m:
+        raise ValueError(f"recall@K ({base_at_k}) below recall@M ({base_at_m}): K must be the larger cut-off")
+    room = base_at_k - base_at_m
+    if room <= 1e-12:
+        return None
+    return (reranked_at_m - base_at_m) / room
+
+
 def scorable(questions: Iterable[Question], scorer: GoldScorer) -> list[Question]:
     return [q for q in questions if scorer.gold(q) and not q.abstention]
 
