@@ -189,16 +189,81 @@ def test_delete_user_removes_memories_index_and_pending_selections(service: Retr
         service.delete_user("alpha", "ana")
 
 
-def test_delete_memory_drops_the_selections_that_showed_it(service: RetrievalService) -> None:
-    shown = one(service, "ana", "sourdough bread", k=2, m=1)
-    other = one(service, "ana", "golden retriever puppy", k=1, m=1)
-    assert service.delete_memory("alpha", "ana", shown.memories[0].id) == 1
-    with pytest.raises(UnknownSelectionError):
-        service.feedback("alpha", shown.selection_id, cited=[0])
+def test_delete_memory_keeps_the_selections_that_showed_it_learnable(service: RetrievalService) -> None:
+    shown = one(service, "ana", "sourdough bread", k=2, m=1, explore=True)
+    other = one(service, "ana", "golden retriever puppy", k=1, m=1, explore=True)
+    assert service.delete_memory("alpha", "ana", shown.memories[0].id) == 0  # nothing invalidated any more
+    learned = service.feedback("alpha", shown.selection_id, cited=[0])
+    assert learned.learned and learned.rewards == [1.0] and learned.learner_records == 1
     assert service.feedback("alpha", other.selection_id, cited=[0]).rewards == [1.0]
     assert shown.memories[0].id not in [m.id for m in service.memories("alpha", "ana")]
     again = one(service, "ana", "sourdough bread", k=len(FACTS), m=len(FACTS) - 1)
     assert shown.memories[0].id not in [m.id for m in again.memories]
+
+
+def _capture_records(service: RetrievalService) -> list:
+    """The Selections the tenant's learner is given, in order (its `record` still runs)."""
+    learner = service.learner("alpha")
+    seen: list = []
+    original = learner.record
+
+    def record(selection, rewards):
+        seen.append(selection)
+        return original(selection, rewards)
+
+    learner.record = record  # type: ignore[method-assign]
+    return seen
+
+
+def test_feedback_after_a_memory_delete_and_a_restart_learns_the_update_as_sampled(tmp_path: Path) -> None:
+    """The selection is rebuilt from its stored row only: the deleted memory's vector, τ and the
+    weights version come back as they were at sampling time, and the step equals the one taken
+    by a server that neither restarted nor deleted anything."""
+    learner = {"batch_size": 1, "tau": 0.7}
+    runs = {}
+    for name, disrupt in (("plain", False), ("disrupted", True)):
+        service = make_service(tmp_path / name, learner=learner)
+        service.add_memories("alpha", "ana", [NewMemory(text=t, id=f"f{i}") for i, t in enumerate(FACTS)])
+        result = one(service, "ana", "sourdough bread weekend", k=len(FACTS), m=3, explore=True)
+        sampled = service.bank.embeddings("alpha:ana", [f"f{i}" for i in range(len(FACTS))])
+        if disrupt:
+            assert service.delete_memory("alpha", "ana", result.memories[0].id) == 0
+            service.close()
+            service = make_service(tmp_path / name, learner=learner)
+        seen = _capture_records(service)
+        try:
+            answer = service.feedback("alpha", result.selection_id, cited=[0])
+            assert answer.learned and answer.updated and answer.reason is None
+            (selection,) = seen
+            order = [int(i[1:]) for i in selection.candidates.memory_ids]
+            assert torch.equal(selection.candidates.embeddings, sampled[order])  # as scored, deleted one included
+            assert selection.tau == pytest.approx(0.7) and selection.version == 0 and selection.explore
+            assert [selection.candidates.memory_ids[i] for i in selection.chosen] == [m.id for m in result.memories]
+            runs[name] = (result.memories, service.learner("alpha").reranker.state_dict())
+        finally:
+            service.close()
+    assert [m.id for m in runs["plain"][0]] == [m.id for m in runs["disrupted"][0]]  # same seed, same sample
+    for key, weight in runs["plain"][1].items():
+        assert torch.equal(weight, runs["disrupted"][1][key]), key
+
+
+def test_greedy_feedback_is_stored_and_answered_but_not_learned(service: RetrievalService) -> None:
+    greedy = one(service, "ana", "cello orchestra", explore=False)
+    answer = service.feedback("alpha", greedy.selection_id, cited=[0])
+    assert not answer.learned and answer.reason is not None and "greedy selection (explore=false)" in answer.reason
+    assert answer.rewards == [1.0, -1.0, -1.0] and answer.cited == [0] and not answer.updated
+    learner = service.learner("alpha")
+    assert learner.stats.records == 0 and learner.stats.skipped_greedy == 1 and learner.pending == 0
+    stored = service.selections.feedback_of("alpha", greedy.selection_id)
+    assert stored is not None and stored["cited"] == [0] and stored["learned"] is False
+    with pytest.raises(SelectionUsedError):  # stored means used: it cannot be sent again as a sample
+        service.feedback("alpha", greedy.selection_id, cited=[1])
+    sampled = one(service, "ana", "cello orchestra", explore=True)
+    assert service.feedback("alpha", sampled.selection_id, cited=[0]).learned
+    assert service.selections.feedback_of("alpha", sampled.selection_id)["learned"] is True
+    uncited = one(service, "ana", "puppy", explore=True)
+    skipped = service.feedback("alpha", uncited.selection_id, text="no idea")
+    assert not skipped.learned and "no parseable citation" in (skipped.reason or "")
 
 
 # ---- sessions and reflection --------------------------------------------------------------------

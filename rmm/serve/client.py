@@ -94,6 +94,8 @@ class Feedback:
     loss: float | None
     learner_step: int
     learner_records: int
+    learned: bool = True  # False: stored only (greedy selection, or no parseable citation); see `reason`
+    reason: str | None = None
 
 
 @dataclass

@@ -5,6 +5,12 @@ selection store), so feedback sent twice or for an expired selection cannot rewa
 Feedback the learner could not use because of a caller's mistake — citing only indices that were
 never shown — is refused (422) before the claim, so the corrected feedback can still be sent.
 A reply without any citation is not a mistake: it is recorded as "no parseable citation".
+
+The update is rebuilt from the selection as it was stored at sampling time (candidate embeddings,
+query embedding, τ, weights version, μ, mask): nothing is re-read from the bank, so a memory
+edited or deleted since cannot change what is learned. Feedback for a greedy selection
+(`explore=false`) is accepted and stored but not learned from — top-M picks are not a sample, so
+there is no behaviour probability to correct with; the answer says so (`learned`, `reason`).
 """
 
 from __future__ import annotations
@@ -12,24 +18,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rmm.memory.bank import MemoryBank
 from rmm.policy.citations import Citation, parse_citations, parse_json_citations
 from rmm.policy.learner import rewards_from_citations
 from rmm.policy.registry import LearnerRegistry
 from rmm.serve.errors import BadRequestError
 from rmm.serve.pending import PendingSelection, SelectionStore
 from rmm.serve.records import FeedbackResult
-from rmm.serve.tenants import callers_terms, unscoped
 from rmm.types import Candidates, Selection
 
-__all__ = ["FeedbackLearner"]
+__all__ = ["GREEDY_REASON", "NO_CITATION_REASON", "FeedbackLearner"]
+
+GREEDY_REASON = "greedy selection (explore=false) is not a sample; feedback stored, not learned"
+NO_CITATION_REASON = "no parseable citation in the reply; feedback stored, not learned"
 
 
 class FeedbackLearner:
     """Claims pending selections and records their rewards; counts the optimizer steps taken."""
 
-    def __init__(self, bank: MemoryBank, selections: SelectionStore, learners: LearnerRegistry) -> None:
-        self.bank, self.selections, self.learners = bank, selections, learners
+    def __init__(self, selections: SelectionStore, learners: LearnerRegistry) -> None:
+        self.selections, self.learners = selections, learners
         self.updates = 0
 
     def feedback(self, tenant: str, selection_id: str, *, cited: list[int] | None = None, text: str | None = None,
@@ -60,31 +67,43 @@ class FeedbackLearner:
                 if citation.cited is None and not citation.no_cite:
                     _refuse_out_of_range(parse, text, n)
                 outcome.update(cited=citation.cited, no_cite=citation.no_cite, warnings=list(citation.warnings))
+            rewards = rewards_from_citations(n, outcome["cited"], outcome["no_cite"])
+            reason = NO_CITATION_REASON if rewards is None else None if pending.explore else GREEDY_REASON
+            outcome.update(rewards=None if rewards is None else rewards.tolist(), learned=reason is None,
+                           reason=reason)
+            return dict(outcome)  # stored with the selection
 
         pending = self.selections.claim(tenant, selection_id, check)
         rewards = rewards_from_citations(len(pending.chosen), outcome["cited"], outcome["no_cite"])
-        with callers_terms(tenant, unscoped(pending.user_id)):
-            selection = self._rebuild(pending)
+        selection = rebuild(pending)
         with self.learners.lock:
             learner = self.learners.get(pending.reranker_key)
             step_before = learner.stats.step
-            loss = learner.record(selection, rewards)
+            if selection.explore or rewards is None:
+                loss = learner.record(selection, rewards)
+            else:  # the learner's own refusal, minus its per-call WARNING: greedy feedback is routine here
+                learner.stats.skipped_greedy += 1
+                loss = None
             updated = learner.stats.step > step_before
             if updated:
                 self.updates += 1
-            return FeedbackResult(selection_id=selection_id, rewards=None if rewards is None else rewards.tolist(),
+            return FeedbackResult(selection_id=selection_id, rewards=outcome["rewards"],
                                   cited=outcome["cited"], no_cite=outcome["no_cite"], warnings=outcome["warnings"],
                                   updated=updated, loss=loss, learner_step=learner.stats.step,
-                                  learner_records=learner.stats.records)
+                                  learner_records=learner.stats.records, learned=outcome["learned"],
+                                  reason=outcome["reason"])
 
-    def _rebuild(self, pending: PendingSelection) -> Selection:
-        """The `Selection` the learner needs, candidate embeddings read back from the store."""
-        embeddings = self.bank.embeddings(pending.user_id, pending.memory_ids)
-        candidates = Candidates(query=pending.query, memory_ids=pending.memory_ids, retriever_scores=pending.scores,
-                                embeddings=embeddings, query_embedding=pending.query_embedding,
-                                user_id=pending.user_id)
-        return Selection(candidates=candidates, chosen=pending.chosen, scores=pending.scores, logp=pending.logp,
-                         noise=pending.noise, explore=pending.explore, id=pending.id)
+
+def rebuild(pending: PendingSelection) -> Selection:
+    """The `Selection` exactly as sampled, from the stored row alone (never from the bank)."""
+    if pending.embeddings is None:
+        raise ValueError(f"selection {pending.id!r} has no stored candidate embeddings")
+    candidates = Candidates(query=pending.query, memory_ids=pending.memory_ids, retriever_scores=pending.scores,
+                            embeddings=pending.embeddings, query_embedding=pending.query_embedding,
+                            user_id=pending.user_id)
+    return Selection(candidates=candidates, chosen=pending.chosen, scores=pending.scores, logp=pending.logp,
+                     noise=pending.noise, explore=pending.explore, id=pending.id, tau=pending.tau,
+                     version=pending.version, mask=pending.mask)
 
 
 # large enough that no index a reply can spell is out of range (the parser caps indices at 9 digits)

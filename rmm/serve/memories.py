@@ -2,8 +2,10 @@
 
 Writes go straight to the bank, whose store commits with `synchronous=FULL` before returning:
 an acknowledged memory survives `kill -9` (the per-user index is rebuilt from the store).
-Deleting also drops what refers to the deleted rows (pending selections, queued jobs, the open
-session, a per-user reranker), so nothing stale can be rewarded or reflected later.
+Deleting a user also drops what refers to them (pending selections, queued jobs, the open
+session, a per-user reranker), so nothing stale can be rewarded or reflected later. Deleting one
+memory keeps the pending selections that showed it: each holds the embeddings it was scored
+with, so its feedback is learned exactly as sampled (the rows go with the TTL sweep).
 """
 
 from __future__ import annotations
@@ -84,11 +86,13 @@ class UserMemories:
             return self.bank.memories(self.require_user(tenant, user))
 
     def delete_memory(self, tenant: str, user: str, memory_id: str) -> int:
-        """Delete from store and index; returns how many pending selections it invalidated."""
+        """Delete from store and index; returns how many pending selections it invalidated — none
+        since selections keep the embeddings they were scored with (their feedback still teaches
+        the learner exactly what was shown); the count stays in the answer for old clients."""
         user_id = self.require_user(tenant, user)
         with callers_terms(tenant, user):
             self.bank.delete(user_id, [memory_id])
-        return self.selections.delete_memory(user_id, memory_id)
+        return 0
 
     def delete_user(self, tenant: str, user: str) -> dict[str, int]:
         """Memories, index rows, pending selections, open session, queued jobs — and the user's

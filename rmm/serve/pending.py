@@ -2,14 +2,22 @@
 
 An agent may post feedback seconds or minutes after it retrieved, and the server may restart in
 between; a selection therefore lives in `selections.sqlite` (WAL) until it is rewarded, expires
-or its user is deleted. A row keeps what the learner needs except the candidate embeddings,
-which are read back from the bank's store at feedback time: the store already holds them, and
-copying K×d floats per query would make this table grow ~20× faster than the memories do.
+or its user is deleted. A row keeps everything its update needs *as it was at sampling time*
+(issue 13 item 3): the candidate ids and their embeddings as scored (float32 blobs, K×d), the
+query embedding, the ordered picks, the behaviour log-probabilities μ, τ, the weights version and
+the mask. Nothing is re-read from the bank at feedback time, so a memory edited or deleted in
+between cannot change what the learner learns. This costs K×d×4 bytes per selection (30 KiB at
+K=20, d=384), bounded by the TTL sweep.
+
+Rows written before the embeddings were kept (no `embeddings` column value) are upgraded once
+when the store opens, from the bank's current vectors (`upgrade_legacy`; the best there is for
+them), or expired with a log line when their memories are gone.
 
 Commits use `synchronous=NORMAL`: in WAL mode that survives a killed process (the durability a
 pending selection needs); only a power loss can roll back the last few, which then answer 404.
 Expired and rewarded rows are kept for one more TTL so a late caller gets "expired" / "already
-rewarded" instead of "unknown", then swept.
+rewarded" instead of "unknown", then swept. The feedback a row received is stored with it (JSON:
+citations, rewards, whether it was learned and why not).
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from rmm.errors import UnknownMemoryError, UnknownUserError
 from rmm.serve.errors import (
     SelectionExpiredError,
     SelectionUsedError,
@@ -58,13 +68,25 @@ CREATE INDEX IF NOT EXISTS selections_user ON selections(user_id);
 CREATE INDEX IF NOT EXISTS selections_expiry ON selections(expires_at);
 """
 
+# Added after the first release: ALTERed onto older files (NULL in rows written before).
+_ADDED_COLUMNS = {
+    "embeddings": "BLOB",  # [K, d] float32 candidate embeddings as scored
+    "tau": "REAL",  # sampling temperature
+    "version": "INTEGER",  # weights version (learner step) that sampled it
+    "mask": "BLOB",  # [K] uint8, 1 = could be picked; NULL = all candidates
+    "feedback": "TEXT",  # JSON of the feedback received (citations, rewards, learned, reason)
+}
+
 _COLUMNS = ("id, tenant, user_id, reranker_key, query, memory_ids, chosen, explore, query_emb, scores, logp, noise, "
-            "created_at, expires_at, consumed_at")
+            "created_at, expires_at, consumed_at, embeddings, tau, version, mask")
+_N_COLUMNS = len(_COLUMNS.split(","))
+
+EmbeddingsOf = Callable[[str, list[str]], torch.Tensor]  # (user_id, memory ids) -> [K, d]
 
 
 @dataclass
 class PendingSelection:
-    """A `Selection` minus its candidate embeddings (those come back from the store)."""
+    """A `Selection` as it was at sampling time, plus who asked for it and until when."""
 
     id: str
     tenant: str
@@ -81,6 +103,10 @@ class PendingSelection:
     created_at: float
     expires_at: float
     consumed_at: float | None = None
+    embeddings: torch.Tensor | None = None  # [K, d] as scored; None only in a legacy row not yet upgraded
+    tau: float | None = None
+    version: int | None = None
+    mask: torch.Tensor | None = None  # [K] bool
 
 
 def _blob(tensor: torch.Tensor | None) -> bytes | None:
@@ -93,6 +119,17 @@ def _tensor(blob: bytes | None) -> torch.Tensor | None:
     if blob is None:
         return None
     return torch.from_numpy(np.frombuffer(blob, dtype=np.float32).copy())
+
+
+def _mask_blob(mask: torch.Tensor | None) -> bytes | None:
+    return None if mask is None else mask.detach().cpu().to(torch.uint8).numpy().tobytes()
+
+
+def _row(s: PendingSelection) -> tuple:
+    return (s.id, s.tenant, s.user_id, s.reranker_key, s.query, json.dumps(s.memory_ids), json.dumps(s.chosen),
+            int(s.explore), _blob(s.query_embedding), _blob(s.scores), _blob(s.logp), _blob(s.noise),
+            s.created_at, s.expires_at, None, _blob(s.embeddings), None if s.tau is None else float(s.tau),
+            None if s.version is None else int(s.version), _mask_blob(s.mask))
 
 
 class SelectionStore:
@@ -109,31 +146,71 @@ class SelectionStore:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(_SCHEMA)
+        present = {row[1] for row in self._conn.execute("PRAGMA table_info(selections)")}
+        for name, kind in _ADDED_COLUMNS.items():
+            if name not in present:
+                self._conn.execute(f"ALTER TABLE selections ADD COLUMN {name} {kind}")
 
     def put_many(self, selections: list[PendingSelection]) -> None:
         """Persist a batch's selections in one transaction (one commit per batch, not per query)."""
         if not selections:
             return
-        rows = [
-            (s.id, s.tenant, s.user_id, s.reranker_key, s.query, json.dumps(s.memory_ids), json.dumps(s.chosen),
-             int(s.explore), _blob(s.query_embedding), _blob(s.scores), _blob(s.logp), _blob(s.noise),
-             s.created_at, s.expires_at, None)
-            for s in selections
-        ]
+        for s in selections:
+            if s.embeddings is None:
+                raise ValueError(f"selection {s.id!r} has no candidate embeddings; its update would have to "
+                                 "re-read them from the store")
+        rows = [_row(s) for s in selections]
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                self._conn.executemany(f"INSERT INTO selections({_COLUMNS}) VALUES ({','.join('?' * 15)})", rows)
+                self._conn.executemany(f"INSERT INTO selections({_COLUMNS}) VALUES ({','.join('?' * _N_COLUMNS)})",
+                                       rows)
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
 
-    def claim(self, tenant: str, selection_id: str, check: Callable[[PendingSelection], None] | None = None,
+    def upgrade_legacy(self, embeddings_of: EmbeddingsOf, now: float | None = None) -> tuple[int, int]:
+        """Give pending rows written before embeddings were stored their candidates' vectors, read
+        once now from the bank; rows whose user or memories are gone are expired (a late feedback
+        answers 410). Returns (upgraded, expired)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            legacy = self._conn.execute(
+                "SELECT id, user_id, memory_ids FROM selections "
+                "WHERE embeddings IS NULL AND consumed_at IS NULL AND expires_at >= ?", (now,)).fetchall()
+        if not legacy:
+            return 0, 0
+        upgraded: list[tuple[bytes | None, str]] = []
+        doomed: list[str] = []
+        for selection_id, user_id, ids in legacy:
+            try:
+                upgraded.append((_blob(embeddings_of(user_id, list(json.loads(ids)))), selection_id))
+            except (UnknownUserError, UnknownMemoryError) as exc:  # gone: nothing faithful to learn from
+                log.debug("legacy selection %s cannot be upgraded: %s", selection_id, exc)
+                doomed.append(selection_id)
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._conn.executemany("UPDATE selections SET embeddings=? WHERE id=? AND embeddings IS NULL", upgraded)
+                self._conn.executemany("UPDATE selections SET expires_at=? WHERE id=?",
+                                       [(now - 1e-3, sid) for sid in doomed])
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+        log.warning("%d pending selections written by an older rmm (no stored candidate embeddings): %d upgraded "
+                    "with the bank's current vectors, %d expired because their user or memories are gone (their "
+                    "feedback answers 410 expired)", len(legacy), len(upgraded), len(doomed))
+        return len(upgraded), len(doomed)
+
+    def claim(self, tenant: str, selection_id: str,
+              check: Callable[[PendingSelection], dict[str, Any] | None] | None = None,
               now: float | None = None) -> PendingSelection:
         """The tenant's pending selection, marked rewarded in the same transaction (so two
         concurrent feedbacks cannot both teach the learner). `check` may refuse the feedback
-        (raising) before anything is marked, so a bad request leaves the selection usable."""
+        (raising) before anything is marked, so a bad request leaves the selection usable; what it
+        returns is stored with the row as the feedback received."""
         now = time.time() if now is None else now
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
@@ -142,7 +219,7 @@ class SelectionStore:
                 if row is None or row[1] != tenant:
                     raise UnknownSelectionError(
                         f"unknown selection id {selection_id!r}: never issued to this API key's tenant, or "
-                        "purged (expired or rewarded more than one TTL ago, or its user or memory was deleted)"
+                        "purged (expired or rewarded more than one TTL ago, or its user was deleted)"
                     )
                 selection = _from_row(row)
                 if selection.consumed_at is not None:
@@ -156,9 +233,14 @@ class SelectionStore:
                         f"selection {selection_id!r} expired {now - selection.expires_at:.1f} s ago (selections "
                         f"wait {self.ttl_s:g} s for feedback; raise selection_ttl_s to allow slower feedback)"
                     )
-                if check is not None:
-                    check(selection)
-                self._conn.execute("UPDATE selections SET consumed_at=? WHERE id=?", (now, selection_id))
+                if selection.embeddings is None:  # written by an older rmm after this store was opened
+                    raise SelectionExpiredError(
+                        f"selection {selection_id!r} was written without its candidate embeddings (an older rmm); "
+                        "it cannot be learned from faithfully — retrieve again"
+                    )
+                stored = check(selection) if check is not None else None
+                self._conn.execute("UPDATE selections SET consumed_at=?, feedback=? WHERE id=?",
+                                   (now, None if stored is None else json.dumps(stored), selection_id))
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
@@ -166,24 +248,17 @@ class SelectionStore:
         selection.consumed_at = now
         return selection
 
+    def feedback_of(self, tenant: str, selection_id: str) -> dict[str, Any] | None:
+        """The feedback stored with a rewarded selection (None while it waits)."""
+        with self._lock:
+            row = self._conn.execute("SELECT tenant, feedback FROM selections WHERE id=?", (selection_id,)).fetchone()
+        if row is None or row[0] != tenant:
+            raise UnknownSelectionError(f"unknown selection id {selection_id!r}")
+        return None if row[1] is None else dict(json.loads(row[1]))
+
     def delete_user(self, user_id: str) -> int:
         with self._lock:
             return self._conn.execute("DELETE FROM selections WHERE user_id=?", (user_id,)).rowcount
-
-    def delete_memory(self, user_id: str, memory_id: str) -> int:
-        """Drop the user's selections whose candidates include the memory (they would teach the
-        learner about a memory that no longer exists)."""
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                doomed = [sid for sid, ids in self._conn.execute(
-                    "SELECT id, memory_ids FROM selections WHERE user_id=?", (user_id,)) if memory_id in json.loads(ids)]
-                self._conn.executemany("DELETE FROM selections WHERE id=?", [(sid,) for sid in doomed])
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
-        return len(doomed)
 
     def sweep(self, now: float | None = None) -> int:
         """Delete rows expired or rewarded more than one TTL ago."""
@@ -212,9 +287,15 @@ def _from_row(row: tuple) -> PendingSelection:
     query_embedding = _tensor(row[8])
     scores = _tensor(row[9])
     assert query_embedding is not None and scores is not None
+    memory_ids = list(json.loads(row[5]))
+    embeddings = _tensor(row[15])
+    if embeddings is not None:
+        embeddings = embeddings.reshape(len(memory_ids), query_embedding.numel())
+    mask = None if row[18] is None else torch.from_numpy(np.frombuffer(row[18], dtype=np.uint8).copy()).bool()
     return PendingSelection(
         id=row[0], tenant=row[1], user_id=row[2], reranker_key=row[3], query=row[4],
-        memory_ids=list(json.loads(row[5])), chosen=list(json.loads(row[6])), explore=bool(row[7]),
+        memory_ids=memory_ids, chosen=list(json.loads(row[6])), explore=bool(row[7]),
         query_embedding=query_embedding, scores=scores, logp=_tensor(row[10]), noise=_tensor(row[11]),
-        created_at=row[12], expires_at=row[13], consumed_at=row[14],
+        created_at=row[12], expires_at=row[13], consumed_at=row[14], embeddings=embeddings,
+        tau=row[16], version=row[17], mask=mask,
     )

@@ -84,3 +84,5 @@ class FeedbackResult:
     loss: float | None
     learner_step: int
     learner_records: int
+    learned: bool = True  # the rewards went into the learner (a greedy or uncited feedback is stored only)
+    reason: str | None = None  # why not, when `learned` is false

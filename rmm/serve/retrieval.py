@@ -3,7 +3,8 @@
 Every query of the batch is encoded in one encoder call, each user's queries are searched in one
 index call, and each reranker scores its queries in one call (Gumbel top-M when exploring, plain
 top-M otherwise). The selections are persisted in one transaction before the results are
-returned, so feedback works even after a restart. A query's failure (unknown user, a user
+returned, with everything their update needs as scored (candidate and query embeddings, μ, τ,
+weights version), so feedback works even after a restart or a memory's deletion. A query's failure (unknown user, a user
 deleted mid-batch) is handed back to that query alone.
 """
 
@@ -148,7 +149,8 @@ class BatchRetriever:
                     id=selection.id, tenant=item.tenant, user_id=c.user_id, reranker_key=key, query=item.query,
                     memory_ids=list(c.memory_ids), chosen=list(selection.chosen), explore=selection.explore,
                     query_embedding=c.query_embedding, scores=selection.scores, logp=selection.logp,
-                    noise=selection.noise, created_at=now, expires_at=expires))
+                    noise=selection.noise, created_at=now, expires_at=expires, embeddings=c.embeddings,
+                    tau=selection.tau, version=selection.version, mask=selection.mask))
             results[i] = RetrieveResult(user=item.user, query=item.query,
                                         selection_id=selection.id if has_pick else None, explore=selection.explore,
                                         expires_at=expires if has_pick else None, memories=shown)

@@ -105,7 +105,9 @@ class UsersOut(BaseModel):
 class DeleteMemoryOut(BaseModel):
     user: str
     memory_id: str
-    selections_dropped: int
+    selections_dropped: int = Field(description="always 0: pending selections keep the embeddings they were "
+                                    "scored with, so their feedback is still learned (kept for old clients)",
+                                    deprecated=True)
 
 
 class DeleteUserOut(BaseModel):

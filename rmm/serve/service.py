@@ -91,6 +91,7 @@ class RetrievalService:
             llm = load_llm(config.llm)
         self.llm = llm
         self.selections = SelectionStore(path / SELECTIONS_FILE, config.selection_ttl_s)
+        self.selections.upgrade_legacy(self.bank.embeddings)
         self.sessions = SessionLog(path / SESSIONS_FILE)
         self.learners = LearnerRegistry(self.bank.dim, self.learner_config, encoder_name=self.encoder.fingerprint,
                                         device=self.bank.device, root=path / CHECKPOINT_DIR,
@@ -103,7 +104,7 @@ class RetrievalService:
                                           per_user_rerankers=config.reranker_per == "user")
         self.retriever = BatchRetriever(config, self.bank, self.encoder, self.learners, self.selections,
                                         tau=self.learner_config.tau)
-        self.feedback_learner = FeedbackLearner(self.bank, self.selections, self.learners)
+        self.feedback_learner = FeedbackLearner(self.selections, self.learners)
         self.maintenance = Maintenance(sweep=self.selections.sweep, checkpoint=self.checkpoint,
                                        checkpoint_interval_s=config.checkpoint_interval_s,
                                        selection_ttl_s=config.selection_ttl_s)

@@ -15,12 +15,13 @@ router = APIRouter(prefix=API_PREFIX, tags=["retrieval"])
 
 @router.post("/feedback", response_model=FeedbackResult)
 def feedback(body: FeedbackIn, tenant: Tenant, service: Service, limits: Limits, metrics: Telemetry) -> FeedbackResult:
-    """What the LLM cited for a selection: indices, `no_cite`, or its raw reply to parse."""
+    """What the LLM cited for a selection: indices, `no_cite`, or its raw reply to parse. Feedback
+    for a greedy selection (`explore: false`) is stored but not learned from (`learned: false`)."""
     if body.text is not None:
         limits.texts([body.text], "text")
     result = service.feedback(tenant, body.selection_id, cited=body.cited, text=body.text, no_cite=body.no_cite,
                               structured=body.structured)
-    metrics.feedback.labels("learned" if result.rewards is not None else "skipped").inc()
+    metrics.feedback.labels("learned" if result.learned else "skipped").inc()
     if result.updated:
         metrics.updates.inc()
     return result
