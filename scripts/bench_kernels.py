@@ -4,7 +4,9 @@
 Rerank: for B ∈ {1, 64, 1024}, K ∈ {20, 200}, d ∈ {768, 1024} (M = 5, τ = 0.5, exploring, bank of
 `--bank-size` rows), the median time of `rmm.kernels.rerank(..., backend="triton")` against the
 torch reference (`backend="torch"`: gather → bmm → sort → Plackett–Luce), each checked to pick the
-same candidates first. Encoder: MiniLM passages/s in bf16 (fp32 on CPU) over synthetic turns.
+same candidates first. The kernel's achieved bandwidth (bytes it must read: the K candidate rows,
+the query, the candidate ids) is reported as a fraction of the device's copy bandwidth measured in
+the same run (`clone()` of a large buffer: read + write) — the memory roofline. Encoder: MiniLM passages/s in bf16 (fp32 on CPU) over synthetic turns.
 
     python scripts/bench_kernels.py --out report.json [--markdown report.md] [--device cuda]
     python scripts/bench_kernels.py --quick --device cpu   # smoke run of the script itself
@@ -53,6 +55,14 @@ def time_call(fn, device: torch.device, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def copy_bandwidth(device: torch.device, repeats: int, quick: bool) -> float:
+    """GB/s of a device-to-device copy (bytes read + written): the roofline the kernel is held to."""
+    n_bytes = (16 if quick else 1024) * 2**20
+    buffer = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    seconds = time_call(lambda: buffer.clone(), device, max(3, repeats // 5))
+    return 2 * n_bytes / seconds / 1e9
+
+
 def bench_rerank(device: torch.device, dtype: torch.dtype, bank_size: int, repeats: int, quick: bool) -> list[dict[str, Any]]:
     from rmm.kernels import rerank, triton_available
 
@@ -78,8 +88,8 @@ def bench_rerank(device: torch.device, dtype: torch.dtype, bank_size: int, repea
                     a = rerank(queries, bank, ids, 5, 0.5, explore=False, backend="torch")
                     b = rerank(queries, bank, ids, 5, 0.5, explore=False, backend="triton")
                     row["first_pick_agreement"] = (a.indices[:, 0] == b.indices[:, 0]).float().mean().item()
-                    # bytes the kernel must read: the K candidate rows of d values, plus the query
-                    moved = batch * (k + 1) * dim * bank.element_size()
+                    # bytes the kernel must read: the K candidate rows of d values, the query, the ids
+                    moved = batch * (k + 1) * dim * bank.element_size() + ids.numel() * ids.element_size()
                     row["triton_GBps"] = moved / (row["triton_ms"] / 1e3) / 1e9
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
@@ -110,14 +120,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"## Kernel benchmarks — {report['device']}", "",
              f"torch {report['torch']}, triton {report['triton']}, bank {report['bank_size']} rows "
              f"({report['dtype']}), M = 5, τ = 0.5, exploring; median of {report['repeats']} calls.", "",
-             "| B | K | d | torch eager (ms) | Triton (ms) | speed-up | Triton GB/s | same greedy 1st pick |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             f"Device copy bandwidth (read + write, measured in this run): {report['copy_GBps']:.0f} GB/s.", "",
+             "| B | K | d | torch eager (ms) | Triton (ms) | speed-up | Triton GB/s | of copy bandwidth | same greedy 1st pick |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in report["rerank"]:
         triton_ms = f"{r['triton_ms']:.3f}" if "triton_ms" in r else "—"
         speedup = f"{r['speedup']:.1f}×" if "speedup" in r else "—"
         gbps = f"{r['triton_GBps']:.0f}" if "triton_GBps" in r else "—"
+        roofline = f"{100 * r['triton_GBps'] / report['copy_GBps']:.0f}%" if "triton_GBps" in r else "—"
         agree = f"{100 * r['first_pick_agreement']:.1f}%" if "first_pick_agreement" in r else "—"
-        lines.append(f"| {r['B']} | {r['K']} | {r['d']} | {r['torch_ms']:.3f} | {triton_ms} | {speedup} | {gbps} | {agree} |")
+        lines.append(f"| {r['B']} | {r['K']} | {r['d']} | {r['torch_ms']:.3f} | {triton_ms} | {speedup} | {gbps} | {roofline} | {agree} |")
     enc = report.get("encoder")
     if enc:
         lines += ["", f"Encoder: {enc['model']} in {enc['dtype']}, batch {enc['batch_size']}: "
@@ -155,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "device": device_name(device), "torch": torch.__version__, "triton": triton_version,
         "dtype": str(dtype).removeprefix("torch."), "bank_size": args.bank_size, "repeats": args.repeats,
+        "copy_GBps": copy_bandwidth(device, args.repeats, args.quick),
         "rerank": bench_rerank(device, dtype, args.bank_size, args.repeats, args.quick),
     }
+    for row in report["rerank"]:
+        if "triton_GBps" in row:
+            row["fraction_of_copy_bandwidth"] = row["triton_GBps"] / report["copy_GBps"]
     if not args.skip_encoder:
         report["encoder"] = bench_encoder(device, args.encoder_texts, args.encoder_batch_size, max(1, args.repeats // 10))
     text = markdown(report)

@@ -109,3 +109,17 @@ def test_cuda_peak_reports_the_command_and_its_exit(capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "`rmm pretrain --help`: exit 0, wall" in out and "peak GPU memory" in out
     assert peak.main(["--", "pretrain", "no_such_key=1"]) == 2  # the command's own exit status
+
+
+def test_bench_kernels_reports_the_copy_bandwidth_roofline(tmp_path: Path) -> None:
+    import json
+
+    bench = script("bench_kernels")
+    out = tmp_path / "kernels.json"
+    assert bench.main(["--quick", "--device", "cpu", "--skip-encoder", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["copy_GBps"] > 0
+    for row in report["rerank"]:
+        if "triton_GBps" in row:
+            assert row["fraction_of_copy_bandwidth"] == row["triton_GBps"] / report["copy_GBps"]
+    assert "of copy bandwidth" in bench.markdown(report)
