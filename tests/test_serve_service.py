@@ -125,6 +125,23 @@ def test_bank_scope_searches_with_the_learned_query(tmp_path: Path) -> None:
         service.close()
 
 
+def test_a_bfloat16_index_retrieves_what_float32_does(tmp_path: Path) -> None:
+    ranked = {}
+    for precision in ("float32", "bfloat16"):
+        service = make_service(tmp_path / precision, index_precision=precision)
+        try:
+            service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
+            assert service.bank.index_options == ({} if precision == "float32" else {"precision": precision})
+            queries = ("sourdough bread every weekend trails", "cello orchestra at the hospital")
+            ranked[precision] = [[(m.text, round(m.retriever_score, 5)) for m in shown.memories
+                                  if m.retriever_score > 0.01]  # the matches; the rest tie near 0
+                                 for shown in (one(service, "ana", q, k=3, m=3) for q in queries)]
+        finally:
+            service.close()
+    assert ranked["bfloat16"] == ranked["float32"]
+    assert all(matches for matches in ranked["float32"])  # something matched: the comparison has content
+
+
 # ---- feedback → learner -------------------------------------------------------------------------
 def test_feedback_feeds_the_learner_and_a_full_batch_moves_the_weights(service: RetrievalService) -> None:
     first, second = (one(service, "ana", q, explore=True) for q in ("hiking trails", "sourdough bread"))

@@ -130,6 +130,8 @@ class ServeConfig:
     port: int = 8080
     encoder: str = "minilm"
     index_backend: str = "torch"
+    # float32 | bfloat16 | float16: the dtype the torch index scans (a shortlist is re-scored in float32)
+    index_precision: str = "float32"
     device: str = "auto"
     torch_threads: int | None = None  # intra-op CPU threads (None: torch's default, one per core)
     query_precision: str = "auto"  # auto | float32 | int8: the query encoder's linears (rmm.serve.query_encoder)
@@ -179,10 +181,15 @@ class ServeConfig:
             raise ConfigError(f"selection_ttl_s must be > 0, got {self.selection_ttl_s}")
         if self.checkpoint_interval_s < 0:
             raise ConfigError(f"checkpoint_interval_s must be >= 0 (0 = only on shutdown), got {self.checkpoint_interval_s}")
-        from rmm.memory.index import BACKENDS
+        from rmm.memory.index import BACKENDS, PRECISIONS
 
         if self.index_backend not in BACKENDS:
             raise ConfigError(f"index_backend {self.index_backend!r} is not one of {list(BACKENDS)}")
+        if self.index_precision not in PRECISIONS:
+            raise ConfigError(f"index_precision {self.index_precision!r} is not one of {list(PRECISIONS)}")
+        if self.index_precision != "float32" and (self.index_backend != "torch" or self.store):
+            raise ConfigError(f"index_precision {self.index_precision!r} is for the torch index of a bank folder "
+                              f"(index_backend is {self.index_backend!r}{', store is a database' if self.store else ''})")
         if self.k > self.limits.max_k:
             raise ConfigError(f"k={self.k} exceeds limits.max_k={self.limits.max_k}")
         self.batching.validate()
@@ -201,6 +208,11 @@ class ServeConfig:
             return recipe_config(self.recipe, normalized_encoder, **{"tau": self.tau, **self.learner})
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"learner: {exc}") from exc
+
+    @property
+    def index_options(self) -> dict[str, Any]:
+        """What the bank passes to its indexes (empty at float32, so existing index files stay valid)."""
+        return {} if self.index_precision == "float32" else {"precision": self.index_precision}
 
     @property
     def bank_path(self) -> Path:

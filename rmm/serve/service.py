@@ -83,7 +83,8 @@ class RetrievalService:
             encoder = load_encoder(config.encoder, device=config.device)
         self.encoder = LockedEncoder(query_encoder(encoder, config.query_precision))
         path = config.bank_path
-        self.bank = MemoryBank(config.store or path, self.encoder, index_backend=config.index_backend, device=config.device)
+        self.bank = MemoryBank(config.store or path, self.encoder, index_backend=config.index_backend,
+                               index_options=config.index_options, device=config.device)
         self.learner_config = config.learner_config(is_normalized_encoder(encoder))
         if llm is None and config.llm:
             from rmm.llm import load_llm

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""What a half-precision torch index (`index_precision: bfloat16|float16`) costs in recall and buys in speed.
+
+Recall@K on LoCoMo (turn granularity, `rmm eval`'s runner and headline: categories 1-4) with the
+real MiniLM bank: the same stored float32 vectors and the same query vectors, searched by a
+`TorchIndex` per user at float32 and at each half precision. Also reports how often a question's
+top-max(K) ids differ from float32's and the search time per query (one query at a time, one
+thread, median). Acceptable when no recall drops by more than `--max-drop` points (default 0.5);
+exits 1 otherwise.
+
+    python scripts/recall_index_precision.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from rmm.data import load_dataset
+from rmm.eval.benchmark_bank import open_retriever
+from rmm.eval.retrieval import evaluate
+from rmm.memory.index import TorchIndex
+from rmm.types import Candidates
+
+log = logging.getLogger("recall_index_precision")
+
+
+class PrecisionRetriever:
+    """`search` over one TorchIndex per user, built from the bank's stored vectors at `precision`;
+    query vectors come from `query_vectors` (encoded once, shared by every precision)."""
+
+    def __init__(self, bank, precision: str, query_vectors: dict[str, torch.Tensor]) -> None:
+        self.bank, self.precision, self.query_vectors = bank, precision, query_vectors
+        self.store = bank.store  # the runner maps ids back to memories (and their refs) through it
+        self.indexes: dict[str, TorchIndex] = {}
+        self.seconds: list[float] = []
+        self.results: dict[tuple[str, str], list[str]] = {}
+
+    def _index(self, user: str) -> TorchIndex:
+        if user not in self.indexes:
+            ids, vectors = self.bank.store.embeddings(user)
+            index = TorchIndex(vectors.shape[1], device="cpu", precision=self.precision)
+            index.add(ids, vectors)
+            self.indexes[user] = index
+        return self.indexes[user]
+
+    def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
+        index = self._index(user)
+        out = []
+        for text in queries:
+            q = self.query_vectors[text]
+            start = time.perf_counter()
+            scores, (ids,) = index.search(q.unsqueeze(0), k)
+            self.seconds.append(time.perf_counter() - start)
+            self.results[(user, text)] = ids
+            out.append(Candidates(query=text, memory_ids=ids, retriever_scores=scores[0], query_embedding=q,
+                                  user_id=user))
+        return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--encoder", default="minilm")
+    parser.add_argument("--ks", type=int, nargs="+", default=[5, 10, 20])
+    parser.add_argument("--precisions", nargs="+", default=["bfloat16", "float16"])
+    parser.add_argument("--max-drop", type=float, default=0.5, help="points of recall half precision may lose")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--data-dir", help="benchmark data (default: $RMM_DATA_DIR / the shared data folder)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+
+    dataset = load_dataset("locomo", data_dir=args.data_dir)
+    opened = open_retriever(args.encoder, dataset, "turn", device="cpu", progress=False)
+    bank, encoder = opened.retriever, opened.encoder
+    assert encoder is not None
+    texts = sorted({q.text for q in dataset.questions})
+    with torch.inference_mode():
+        vectors = torch.cat([encoder.encode_queries(texts[i:i + 256]) for i in range(0, len(texts), 256)])
+    query_vectors = dict(zip(texts, vectors.float()))
+
+    runs = {}
+    for precision in ["float32", *args.precisions]:
+        retriever = PrecisionRetriever(bank, precision, query_vectors)
+        report = evaluate(dataset, retriever, "turn", ks=args.ks, retriever_name=precision, progress=False)
+        runs[precision] = (report, retriever)
+
+    base_report, base = runs["float32"]
+    sizes = [len(index) for index in base.indexes.values()]
+    print(f"LoCoMo turn recall, {args.encoder}, {base_report.overall['n']} questions (categories 1-4), "
+          f"{len(sizes)} users of {min(sizes)}-{max(sizes)} memories; torch {torch.__version__}, "
+          f"{args.threads} thread(s), load average {os.getloadavg()[0]:.1f}")
+    metrics = [m for m in base_report.overall if m != "n"]
+    print(f"{'metric':>14} | {'float32':>8} | " + " | ".join(f"{p:>8} | {'drop':>6}" for p in args.precisions))
+    worst = 0.0
+    for metric in metrics:
+        full = base_report.overall[metric]
+        cells = []
+        for precision in args.precisions:
+            half = runs[precision][0].overall[metric]
+            drop = 100 * (full - half)
+            worst = max(worst, drop)
+            cells.append(f"{100 * half:8.2f} | {drop:+6.2f}")
+        print(f"{metric:>14} | {100 * full:8.2f} | " + " | ".join(cells))
+    base_ms = 1000 * statistics.median(base.seconds)
+    print(f"search per query (median, one at a time): float32 {base_ms:.3f} ms")
+    for precision in args.precisions:
+        retriever = runs[precision][1]
+        differ = sum(retriever.results[key] != ids for key, ids in base.results.items())
+        ms = 1000 * statistics.median(retriever.seconds)
+        print(f"  {precision}: {ms:.3f} ms ({base_ms / ms:.2f}x float32); top-{max(args.ks)} ids differ from "
+              f"float32 for {differ}/{len(base.results)} queries")
+    verdict = "within" if worst <= args.max_drop else "OVER"
+    print(f"largest recall drop {worst:+.2f} points: {verdict} the {args.max_drop} point budget")
+    return 0 if worst <= args.max_drop else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
