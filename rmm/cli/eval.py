@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
                               epilog="e.g. rmm eval --config configs/eval/locomo-cpu.yaml k=[1,5,10]")
     p.add_argument("--dataset", default="locomo", help="locomo | longmemeval[:s|m|oracle] | msc | a file")
     p.add_argument("--retriever", nargs="+", default=[DEFAULT_RETRIEVER],
-                   help="minilm | bm25 | contriever | stella | gte | an encoder folder (several allowed)")
+                   help="minilm | bm25 | contriever | stella | gte | an encoder folder | hybrid[:DENSE] (BM25 + DENSE, default minilm, reciprocal-rank fused) (several allowed)")
     p.add_argument("--granularity", nargs="+", choices=("turn", "session", "topic"), default=["turn"],
                    help="memory units; topic = built by prospective reflection (several: one comparison table)")
     p.add_argument("--k", type=positive_int, nargs="+", default=[5, 10], help="cut-offs K of Recall@K")
