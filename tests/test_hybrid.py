@@ -115,3 +115,26 @@ def test_bad_settings_and_names(bank: MemoryBank) -> None:
     for bad in ("hybrid:", "hybrid:bm25", "hybrid:hybrid"):
         with pytest.raises(RmmError):
             hybrid_dense(bad)
+
+
+def test_rmm_eval_and_open_retriever_take_hybrid(tiny_data_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """`--retriever hybrid` end to end on the tiny LoCoMo file (real MiniLM), and what `rmm train` reads."""
+    import json
+
+    from rmm.cli import main
+    from rmm.data import load_dataset
+    from rmm.eval.benchmark_bank import open_retriever
+
+    monkeypatch.setenv("RMM_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--data-dir", str(tiny_data_dir), "--retriever", "hybrid", "bm25", "--k", "1", "5",
+                 "--json", str(out)]) == 0
+    reports = json.loads(out.read_text())
+    assert reports["hybrid/turn"]["overall"]["recall@5"] >= reports["bm25/turn"]["overall"]["recall@5"] - 0.05
+    opened = open_retriever("hybrid:minilm", load_dataset("locomo", data_dir=tiny_data_dir), "turn", progress=False)
+    hybrid = opened.retriever
+    assert isinstance(hybrid, HybridRetriever) and opened.encoder is not None and hybrid.dim == opened.encoder.dim
+    user = hybrid.users()[0]
+    (c,) = hybrid.search(["hello"], user, 5)
+    assert c.embeddings is not None and c.embeddings.shape == (len(c), hybrid.dim)
+    assert len(hybrid.memories(user)) >= len(c)
