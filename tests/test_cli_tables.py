@@ -9,16 +9,16 @@ import re
 
 import pytest
 from rich.console import Console
+from rmm.training.online import OnlineReport
 
 from rmm.cli.eval import granularity_figures, report_figures
-from rmm.cli.eval_goal import goal_figures
+from rmm.cli.eval_controller import controller_figures
 from rmm.cli.eval_qa import qa_figures
 from rmm.cli.tables import Figures, print_figures
 from rmm.cli.train import train_figures
-from rmm.eval.goal_recall import GoalRecallReport
+from rmm.eval.controller_recall import ControllerRecallReport
 from rmm.eval.qa import QAReport
 from rmm.eval.retrieval import RetrievalReport
-from rmm.training.online import OnlineReport
 
 CATEGORIES = {"1": "multi-hop", "2": "temporal", "3": "open-domain", "4": "single-hop", "5": "adversarial"}
 COUNTS = {"1": 282, "2": 321, "3": 96, "4": 841, "5": 446}
@@ -91,8 +91,8 @@ def test_train_qa_and_goal_tables_keep_every_figure() -> None:
     _assert_whole(lines, COUNTS)
     assert max(map(len, lines)) <= 80
 
-    goal = GoalRecallReport("locomo", "hf:/models/qwen", 1, 282, 0.5, 0.4, 37.2, 0.8, 7.3, 12345, 543, 12.5)
-    lines = _render(goal_figures(goal))
+    goal = ControllerRecallReport("locomo", "hf:/models/qwen", 1, 282, 0.5, 0.4, 37.2, 0.8, 7.3, 12345, 543, 12.5)
+    lines = _render(controller_figures(goal))
     _assert_whole(lines)
     assert max(map(len, lines)) <= 80
     assert any(all(cell in line for cell in ("282", "12345", "543", "12.5")) for line in lines)
