@@ -288,3 +288,121 @@ def test_fill_topics_resumes_an_interrupted_build(bank: MemoryBank) -> None:
     assert bank.store.generation("u") == generation  # done users are skipped
     with pytest.raises(ValueError, match="prospective reflection"):
         documents(dataset, "u", "topic")
+
+
+# ---- the fallback's output, frozen (it was made faster; it must not change) ---------------------
+GARDEN = ["Tomato seedlings need sunlight in the garden", "Garden tomato plants want compost and water",
+          "Watering garden seedlings every morning helps", "Compost makes tomato garden soil richer"]
+# topics that come back across sessions (merges, two merges into one memory in a session, the
+# merge cap), an empty turn, and sessions too short to segment
+CONVERSATION = [("u:S1", HIKING + COOKING), ("u:S2", COOKING[::-1] + GARDEN),
+                ("u:S3", HIKING[1:] + ["", "ok"] + GARDEN[:3]), ("u:S4", GARDEN + HIKING + COOKING),
+                ("u:S5", ["hi", "yo"]), ("u:S6", COOKING[:3]), ("u:S7", HIKING * 3)]
+# Frozen from the code before the fallback was sped up: (id, refs as "session:turns", merged_from).
+FROZEN_TOUCHED = [["m001", "m002"], ["m002", "m004"], ["m001", "m004"], ["m007", "m008", "m009"], ["m010"],
+                  ["m011"], ["m008", "m001", "m015", "m017"]]
+FROZEN_MEMORIES = [
+    ("m001", "S1:0-3 S3:0-2 S3:4 S7:2-3", ["m005", "m013"], ("time-u:S1", "time-u:S7")),
+    ("m002", "S1:4-7 S2:0-3", ["m003"], ("time-u:S1", "time-u:S2")),
+    ("m004", "S2:4-7 S3:5-7", ["m006"], ("time-u:S2", "time-u:S3")),
+    ("m007", "S4:0-3", [], ("time-u:S4", "time-u:S4")),
+    ("m008", "S4:4-7 S7:0-1 S7:4-5 S7:8-9", ["m012", "m014", "m016"], ("time-u:S4", "time-u:S7")),
+    ("m009", "S4:8-11", [], ("time-u:S4", "time-u:S4")),
+    ("m010", "S5:0-1", [], ("time-u:S5", "time-u:S5")),
+    ("m011", "S6:0-2", [], ("time-u:S6", "time-u:S6")),
+    ("m015", "S7:6-7", [], ("time-u:S7", "time-u:S7")),
+    ("m017", "S7:10-11", [], ("time-u:S7", "time-u:S7")),
+]
+
+
+def _refs(spec: str) -> list[str]:
+    """'S1:0-3 S3:4' → ['u:S1:0', …, 'u:S1:3', 'u:S3:4']."""
+    out = []
+    for part in spec.split():
+        sid, span = part.split(":")
+        first, _, last = span.partition("-")
+        out += [f"u:{sid}:{i}" for i in range(int(first), int(last or first) + 1)]
+    return out
+
+
+class CountingEncoder(BagOfWordsEncoder):
+    """Records every text it encodes, to check nothing is encoded twice."""
+
+    def __init__(self) -> None:
+        self.encoded: list[str] = []
+
+    def encode_passages(self, texts: list[str]) -> torch.Tensor:
+        self.encoded += texts
+        return super().encode_passages(texts)
+
+
+def _reflect_conversation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, encoder: BagOfWordsEncoder):
+    ids = iter(f"m{i:03d}" for i in range(1, 1000))
+    monkeypatch.setattr(Memory, "new_id", staticmethod(lambda: next(ids)))  # deterministic ids
+    bank = MemoryBank(tmp_path / "frozen", encoder, device="cpu")
+    reflector = ProspectiveReflector(bank, None, merge_threshold=0.5, max_merged_turns=10)
+    touched = [[m.id for m in reflector.reflect(session(sid, texts))] for sid, texts in CONVERSATION]
+    return bank, reflector, touched
+
+
+def test_fallback_output_is_unchanged_on_a_fixed_conversation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    encoder = BagOfWordsEncoder()
+    bank, reflector, touched = _reflect_conversation(tmp_path, monkeypatch, encoder)
+    with bank:
+        assert touched == FROZEN_TOUCHED
+        stored = bank.memories("u")
+        assert [(m.id, m.refs, m.merged_from, m.time_span) for m in stored] == [
+            (i, _refs(spec), merged, span) for i, spec, merged, span in FROZEN_MEMORIES]
+        lines = {t.id: f"{t.speaker}: {t.text}" for sid, texts in CONVERSATION for t in session(sid, texts).turns}
+        for m in stored:  # text and source follow from the refs: the turns joined, labelled once
+            assert m.kind == "topic" and m.text == "\n".join(lines[r] for r in m.refs)
+            assert m.source_text == f"{EXTRACTIVE_LABEL}\n{m.text}"
+        vectors = bank.embeddings("u", [m.id for m in stored])  # each stored vector is its text's
+        assert torch.allclose(vectors, encoder.encode_passages([m.text for m in stored]), atol=1e-6)
+        s = reflector.stats
+        assert (s.sessions, s.extracted, s.added, s.merged) == (7, 17, 10, 7)
+
+
+def test_fallback_encodes_each_turn_topic_and_merge_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    encoder = CountingEncoder()
+    bank, _, touched = _reflect_conversation(tmp_path, monkeypatch, encoder)
+    bank.close()
+    assert touched == FROZEN_TOUCHED
+    # turns of the sessions long enough to cut (S1 8, S2 8, S3 7 non-empty, S4 12, S7 12; S5 and S6
+    # are too short), each topic once (its vector serves the search and the add), and each memory
+    # a session merged into once
+    assert len(encoder.encoded) == 47 + 17 + 5
+
+
+def test_reflect_many_builds_the_same_memories_in_two_calls_plus_merges(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class CallCounting(CountingEncoder):
+        calls = 0
+
+        def encode_passages(self, texts: list[str]) -> torch.Tensor:
+            self.calls += 1
+            return super().encode_passages(texts)
+
+    ids = iter(f"m{i:03d}" for i in range(1, 1000))
+    monkeypatch.setattr(Memory, "new_id", staticmethod(lambda: next(ids)))
+    encoder = CallCounting()
+    with MemoryBank(tmp_path / "many", encoder, device="cpu") as bank:
+        reflector = ProspectiveReflector(bank, None, merge_threshold=0.5, max_merged_turns=10)
+        touched = reflector.reflect_many([session(sid, texts) for sid, texts in CONVERSATION])
+        assert [[m.id for m in ms] for ms in touched] == FROZEN_TOUCHED
+        assert [(m.id, m.refs, m.merged_from, m.time_span) for m in bank.memories("u")] == [
+            (i, _refs(spec), merged, span) for i, spec, merged, span in FROZEN_MEMORIES]
+        s = reflector.stats
+        assert (s.sessions, s.extracted, s.added, s.merged) == (7, 17, 10, 7)
+    assert len(encoder.encoded) == 47 + 17 + 5
+    assert encoder.calls == 2 + 5  # all turns, all topics, then one per merged memory written
+
+
+def test_reflect_many_of_named_speakers_and_empty_sessions(bank: MemoryBank) -> None:
+    empty = Session(id="u:S0", user_id="u", turns=[], time=None)
+    reflector = ProspectiveReflector(bank, None)
+    first, second = reflector.reflect_many([empty, session()], speakers=["Ana"])
+    ana = {t.id for t in session().turns if t.speaker == "Ana"}
+    assert first == [] and second and all(set(m.refs) <= ana for m in second)
+    assert reflector.stats.sessions == 2
+    assert reflector.reflect_many([]) == []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -120,6 +121,27 @@ class ProspectiveReflector:
         self.stats.seconds += time.perf_counter() - t0
         return list(touched.values())
 
+    def reflect_many(self, sessions: Sequence[Session], speakers: list[str] | None = None) -> list[list[Memory]]:
+        """`[self.reflect(s, speakers) for s in sessions]`, in that order and with the same memories,
+        in far fewer encoder calls when there is no LLM: every session's turns are encoded in one
+        call and then every topic in one more (neither depends on the bank), leaving per session
+        only the search and the re-encoding of the memories it merged into.
+        """
+        if self.llm is not None:
+            return [self.reflect(s, speakers) for s in sessions]
+        t0 = time.perf_counter()
+        segmented = self.segmenter.segments_many([self._own(s, speakers) for s in sessions])
+        extracted = [self._extractive(segments) for segments in segmented]
+        vectors = self._encode_summaries([e.summary for topics in extracted for e in topics])
+        out: list[list[Memory]] = []
+        offset = 0
+        for session, topics in zip(sessions, extracted):
+            self.stats.sessions += 1
+            out.append(self._update_extractive(session.user_id, topics, session, vectors[offset:offset + len(topics)]))
+            offset += len(topics)
+        self.stats.seconds += time.perf_counter() - t0
+        return out
+
     def extract(self, session: Session, speakers: list[str] | None = None) -> list[ExtractedMemory | Extractive]:
         """Topic summaries with turn refs: one batched LLM call over speakers, else the fallback.
 
@@ -129,7 +151,7 @@ class ProspectiveReflector:
         """
         if not session.turns:
             return []
-        own = replace(session, turns=[t for t in session.turns if t.speaker in speakers]) if speakers else session
+        own = self._own(session, speakers)
         if self.llm is None:
             return self._segment(own)
         from rmm.prompts import (
@@ -181,15 +203,24 @@ class ProspectiveReflector:
             return self._add(user, extracted, context)
         return self._merge(neighbours[index][0], merged, extracted, context, False)
 
-    def _update_extractive(self, user: str, extracted: list[Extractive], session: Session | None) -> list[Memory]:
-        """The fallback's update, a whole session at once (one encoder call, one search, one add):
-        each segment merges into its most similar earlier topic when the cosine reaches
-        `merge_threshold` and the result stays within `max_merged_turns`, else it is added."""
+    def _update_extractive(self, user: str, extracted: list[Extractive], session: Session | None,
+                           vectors: torch.Tensor | None = None) -> list[Memory]:
+        """The fallback's update, a whole session at once (one search, one add): each segment
+        merges into its most similar earlier topic when the cosine reaches `merge_threshold` and
+        the result stays within `max_merged_turns`, else it is added.
+
+        Each segment is encoded once (or `vectors` holds its passage vector already), the vector
+        serving both the search and the add: encoding is nearly all the fallback's time."""
+        if not extracted:
+            return []
         context = _context_of(session)
         self.stats.extracted += len(extracted)
+        if vectors is None:
+            vectors = self._encode_summaries([e.summary for e in extracted])
         merged: dict[str, Memory] = {}
         adds: list[Memory] = []
-        for e, neighbours in zip(extracted, self._neighbours(user, [e.summary for e in extracted])):
+        added: list[int] = []
+        for i, (e, neighbours) in enumerate(zip(extracted, self._neighbours_of(user, vectors))):
             target = neighbours[0][0] if neighbours and neighbours[0][1] >= self.merge_threshold else None
             if target is not None:
                 current = merged.get(target.id, target)
@@ -198,9 +229,10 @@ class ProspectiveReflector:
                     self.stats.merged += 1
                     continue
             adds.append(self._new(user, e, context, extractive=True))
+            added.append(i)
         out = [self.bank.update(user, memory) for memory in merged.values()]
         if adds:
-            self.bank.add(user, adds)
+            self.bank.add(user, adds, embeddings=vectors[added])
             self.stats.added += len(adds)
         return out + adds
 
@@ -228,7 +260,12 @@ class ProspectiveReflector:
         """For each summary, the top-K most similar topic memories of `user` with their cosine."""
         if not summaries or not self.bank.store.has_user(user):
             return [[] for _ in summaries]
-        vectors = torch.as_tensor(self.bank.encoder.encode_passages(summaries)).float()
+        return self._neighbours_of(user, self._encode_summaries(summaries))
+
+    def _neighbours_of(self, user: str, vectors: torch.Tensor) -> list[list[tuple[Memory, float]]]:
+        """`_neighbours` for summaries already encoded (passage vectors, one row each)."""
+        if not len(vectors) or not self.bank.store.has_user(user):
+            return [[] for _ in range(len(vectors))]
         found = self.bank.search_embeddings(vectors, user, k=4 * self.top_k)  # over-fetch: other kinds drop out
         ids = list(dict.fromkeys(i for c in found for i in c.memory_ids))
         memories = {m.id: m for m in self.bank.get(user, ids)} if ids else {}
@@ -272,8 +309,21 @@ class ProspectiveReflector:
                        merged_from=[*target.merged_from, Memory.new_id()], time_span=span)
 
     def _segment(self, session: Session) -> list[Extractive]:
-        return [Extractive("\n".join(turn_line(t) for t in seg), [t.id for t in seg])
-                for seg in self.segmenter.segments(session)]
+        return self._extractive(self.segmenter.segments(session))
+
+    @staticmethod
+    def _extractive(segments: list[list[Turn]]) -> list[Extractive]:
+        return [Extractive("\n".join(turn_line(t) for t in seg), [t.id for t in seg]) for seg in segments]
+
+    @staticmethod
+    def _own(session: Session, speakers: list[str] | None) -> Session:
+        """The session as the fallback sees it: only the named speakers' turns."""
+        return replace(session, turns=[t for t in session.turns if t.speaker in speakers]) if speakers else session
+
+    def _encode_summaries(self, summaries: list[str]) -> torch.Tensor:
+        if not summaries:
+            return torch.zeros(0, int(self.bank.encoder.dim))
+        return torch.as_tensor(self.bank.encoder.encode_passages(summaries)).float()
 
     def _fallback(self, session: Session) -> list[Extractive]:
         self.stats.fallback_sessions += 1

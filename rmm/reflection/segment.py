@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,13 +63,33 @@ class TopicSegmenter:
 
     def segments(self, session: Session) -> list[list[Turn]]:
         """Consecutive runs of the session's turns, one per topic, covering every turn once."""
-        turns = [t for t in session.turns if t.text.strip()]
-        if len(turns) <= self.config.min_size:
-            return [turns] if turns else []
-        vectors = F.normalize(torch.as_tensor(self.encoder.encode_passages([turn_line(t) for t in turns])).float(), dim=-1)
-        cuts = boundaries(vectors, self.config)
-        edges = [0, *cuts, len(turns)]
-        return [turns[a:b] for a, b in itertools.pairwise(edges)]
+        return self.segments_many([session])[0]
+
+    def segments_many(self, sessions: Sequence[Session]) -> list[list[list[Turn]]]:
+        """`segments` of each session, every turn that needs a vector encoded in one call.
+
+        Encoding is nearly all the fallback's time, and one long call is the cheapest way to do
+        it: the encoder sorts a call's texts by length into batches, so little goes on padding,
+        and on shared cores every extra call costs far more than its matrix products.
+        """
+        kept = [[t for t in s.turns if t.text.strip()] for s in sessions]
+        out = [[turns] if turns else [] for turns in kept]
+        cut = [i for i, turns in enumerate(kept) if self._may_cut(len(turns))]
+        texts = [turn_line(t) for i in cut for t in kept[i]]
+        if not texts:
+            return out
+        vectors = F.normalize(torch.as_tensor(self.encoder.encode_passages(texts)).float(), dim=-1)
+        offset = 0
+        for i in cut:
+            n = len(kept[i])
+            edges = [0, *boundaries(vectors[offset:offset + n], self.config), n]
+            out[i] = [kept[i][a:b] for a, b in itertools.pairwise(edges)]
+            offset += n
+        return out
+
+    def _may_cut(self, n: int) -> bool:
+        """Whether `n` turns could become more than one segment (else they need no vectors)."""
+        return n >= 2 * self.config.min_size or n > self.config.max_size
 
 
 def gap_similarities(vectors: torch.Tensor, window: int) -> torch.Tensor:
