@@ -110,8 +110,7 @@ def fill_topics(bank: MemoryBank, dataset: Dataset, reflector: ProspectiveReflec
             continue
         if bank.store.has_user(user):
             bank.delete_user(user)
-        for session in dataset.sessions[user]:
-            reflector.reflect(session)
+        reflector.reflect_many(dataset.sessions[user])  # same memories as reflect() per session, fewer encodes
         bank.store.set_meta(f"topics-done:{user}", "1")
     log.info("prospective reflection stats: %s", reflector.stats)
 
