@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rmm.memory.index import FaissIndex, TorchIndex, VectorIndex
+from rmm.memory.faiss_index import FaissIndex
+from rmm.memory.index import TorchIndex, VectorIndex
 
 
 @dataclass

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from rmm.errors import CorruptFileError, DimensionMismatchError, UnknownMemoryError
-from rmm.memory.index import BACKENDS, FaissIndex, TorchIndex, VectorIndex, index_file_info, load_index, make_index
+from rmm.memory.faiss_index import FaissIndex
+from rmm.memory.index import (
+    BACKENDS,
+    TorchIndex,
+    VectorIndex,
+    index_file_info,
+    load_index,
+    make_index,
+)
 
 DIM = 16
 # Small IVF threshold so the trained path runs on test-sized data.
@@ -183,7 +191,7 @@ def test_faiss_flat_equals_torch_exact() -> None:
 def test_ivf_falls_back_to_flat_below_threshold_then_trains(caplog: pytest.LogCaptureFixture) -> None:
     needs_faiss()
     index = FaissIndex(DIM, "ivf", train_threshold=500, nlist=10)
-    with caplog.at_level(logging.INFO, logger="rmm.memory.index"):
+    with caplog.at_level(logging.INFO, logger="rmm.memory.faiss_index"):
         index.add(ids_for(100), unit(100))
     assert not index.is_trained_ivf and "train_threshold" in caplog.text
     x = unit(100)
