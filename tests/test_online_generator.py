@@ -143,3 +143,37 @@ def test_unknown_citer_kinds_are_refused():
     with pytest.raises(ValueError, match="concurrency"):
         OnlineConfig(citer="openai:http://x/v1@m", concurrency=0)
     assert OnlineConfig(citer="hf:/models/tiny").citer == "hf:/models/tiny"
+
+
+def test_ctrl_c_with_requests_in_flight_checkpoints_and_the_resumed_run_reasks_them(tiny, tmp_path, no_retry_sleep,
+                                                                                    monkeypatch):
+    dataset, bank = tiny
+    server = FakeOpenAIServer()
+    out = tmp_path / "run"
+    try:
+        interrupted = OnlineTrainer(dataset, bank, openai_config(server, checkpoint_every=100), output_dir=out,
+                                    progress=False)
+        real_answer, answered = interrupted.answer, []
+
+        def ctrl_c_after_six(asked, reply):
+            if len(answered) == 6:
+                raise KeyboardInterrupt
+            answered.append(asked.index)
+            real_answer(asked, reply)
+
+        monkeypatch.setattr(interrupted, "answer", ctrl_c_after_six)
+        with pytest.raises(KeyboardInterrupt):
+            interrupted.run()
+        state = json.loads((out / "state.json").read_text())  # written on the way out, not by the schedule
+        assert state["done"]["below"] + len(state["done"]["beyond"]) == 6
+        asked_before = sum(server.asked.values())
+        assert asked_before > 6  # others were in flight
+
+        resumed = OnlineTrainer(dataset, bank, openai_config(server, checkpoint_every=100), output_dir=out,
+                                progress=False)
+        report = resumed.run()
+    finally:
+        server.close()
+    n = len(resumed.stream)
+    assert sum(server.asked.values()) - asked_before == n - 6
+    assert report.learner["records"] + report.learner["skipped_no_citation"] == n
