@@ -276,3 +276,15 @@ def test_bad_settings_are_refused():
     assert recipe_for("auto", True)["recipe"] == "normalized"
     assert recipe_for("auto", False) == {"recipe": "paper"}
     assert dataclasses.asdict(OnlineConfig())["tau"] == 0.5  # the paper's defaults stay the defaults
+
+
+def test_table_titles_name_the_datasets_own_categories(problem):
+    from rmm.cli.train import train_figures
+    from rmm.training.online import headline_questions
+
+    dataset, bank = problem
+    msc = dataclasses.replace(dataset, name="msc", categories={1: "persona", 2: "followup"})
+    assert headline_questions(msc) == "msc categories 1, 2 (persona, followup)"
+    report = OnlineTrainer(msc, bank, config(epochs=1), progress=False).run()
+    title = train_figures(report, "minilm").title
+    assert "msc categories 1, 2 (persona, followup)" in title and "1–4" not in title
