@@ -21,10 +21,12 @@ format only; `rmm.policy.learner.Learner.save/load` turn a learner into these pi
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 import shutil
+import tarfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +46,9 @@ __all__ = [
     "backup_of",
     "checkpoint_exists",
     "finish_interrupted_swap",
+    "pack_checkpoint",
     "read_checkpoint",
+    "unpack_checkpoint",
     "write_checkpoint",
 ]
 
@@ -233,3 +237,31 @@ def _read_meta(folder: Path) -> dict[str, Any]:
         if key not in meta:
             raise CheckpointError(f"{folder / META} lacks {key!r}")
     return meta
+
+
+def pack_checkpoint(folder: str | Path) -> bytes:
+    """A checkpoint folder as one uncompressed tar (what a database row holds); the checksums in
+    `meta.json` still guard every file when it is unpacked and read."""
+    folder = Path(folder)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name in (WEIGHTS, TRAINING, META):
+            tar.add(folder / name, arcname=name)
+    return buffer.getvalue()
+
+
+def unpack_checkpoint(data: bytes, folder: str | Path) -> Path:
+    """Write `pack_checkpoint`'s bytes back as a checkpoint folder (only its three known files)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+            for name in (WEIGHTS, TRAINING, META):
+                member = tar.getmember(name)
+                source = tar.extractfile(member)
+                if source is None:
+                    raise CheckpointError(f"packed checkpoint entry {name} is not a file")
+                (folder / name).write_bytes(source.read())
+    except (tarfile.TarError, KeyError) as exc:
+        raise CheckpointError(f"packed checkpoint is unreadable: {exc}") from exc
+    return folder

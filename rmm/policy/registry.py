@@ -11,6 +11,11 @@ Checkpoint layout under `root`: the shared learner (`""`) at `root` itself, ever
 readable part is sanitised). Saving the shared learner keeps the folders nested in `root`
 (`rmm.policy.checkpoint` carries them over), so a bank's shared, per-user and per-tenant
 rerankers can live side by side.
+
+Where the bank is a PostgreSQL database, checkpoints are reranker *versions* in its
+`reranker_versions` table instead (`versions=`, `rmm.policy.pg_versions.RerankerVersions`): a
+learner is loaded from its key's newest version, `save` writes nothing (the one learner among the
+replicas writes versions as it steps), and `install` swaps in a newer version a poller found.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +35,9 @@ from rmm.errors import DimensionMismatchError
 from rmm.policy.checkpoint import backup_of, checkpoint_exists, finish_interrupted_swap
 from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
+
+if TYPE_CHECKING:
+    from rmm.policy.pg_versions import RerankerVersions
 
 __all__ = ["SHARED", "LearnerRegistry", "checkpoint_exists"]
 
@@ -42,8 +51,10 @@ class LearnerRegistry:
 
     def __init__(self, dim: int, config: LearnerConfig, *, encoder_name: str = "",
                  device: str | torch.device = "cpu", root: str | Path | None = None, subdir: str = "users",
-                 checkpoint_every: int = 0) -> None:
+                 checkpoint_every: int = 0, versions: RerankerVersions | None = None) -> None:
         self.dim, self.config, self.encoder_name, self.device = dim, config, encoder_name, device
+        self.versions = versions
+        self._version: dict[str, int] = {}  # key -> the stored version its learner was loaded from
         self.root = Path(root) if root is not None else None
         self.subdir = subdir
         self.checkpoint_every = checkpoint_every
@@ -65,7 +76,11 @@ class LearnerRegistry:
         with self._lock:
             if key not in self._learners:
                 path = self.path(key)
-                if path is not None and checkpoint_exists(path):
+                stored = self.versions.read(key) if self.versions is not None else None
+                if stored is not None:
+                    learner = self._from_version(key, *stored)
+                    self._version[key] = stored[0]
+                elif path is not None and checkpoint_exists(path):
                     learner = Learner.load(path, encoder_name=self.encoder_name, dim=self.dim, device=self.device)
                     log.info("loaded reranker checkpoint %s (step %d)", path, learner.stats.step)
                 else:
@@ -73,7 +88,50 @@ class LearnerRegistry:
                                       device=self.device)
                 self._learners[key] = learner
                 self._saved[key] = _progress(learner)
+                self._version.setdefault(key, 0)
             return self._learners[key]
+
+    def _from_version(self, key: str, version: int, data: bytes) -> Learner:
+        from rmm.policy.pg_versions import learner_from_bytes
+
+        learner = learner_from_bytes(data, encoder_name=self.encoder_name, dim=self.dim, device=self.device)
+        log.info("loaded reranker %r version %d (step %d)", key, version, learner.stats.step)
+        return learner
+
+    # ---- stored versions (a PostgreSQL bank) ---------------------------------------------------
+    def version_of(self, key: str) -> int | None:
+        """The stored version the loaded learner of `key` was loaded from or saved as (0: none yet);
+        None when `key` is not loaded."""
+        with self._lock:
+            return self._version.get(key) if key in self._learners else None
+
+    def install(self, key: str, learner: Learner, version: int) -> None:
+        """Serve `learner` (stored `version`) for `key` from now on, replacing the loaded one."""
+        with self._lock:
+            self.put(key, learner)
+            self._version[key] = version
+
+    def refresh(self, latest: dict[str, int]) -> list[str]:
+        """Load the newest stored version of every loaded key that is behind `latest`; returns the
+        keys reloaded. Keys not loaded yet are left alone (`get` loads their newest on first use)."""
+        if self.versions is None:
+            return []
+        reloaded = []
+        for key, version in latest.items():
+            current = self.version_of(key)
+            if current is None or current >= version:
+                continue
+            stored = self.versions.read(key)
+            if stored is None:
+                continue
+            learner = self._from_version(key, *stored)
+            with self._lock:
+                if key in self._learners and self._version.get(key, 0) < stored[0]:
+                    self._learners[key] = learner
+                    self._saved[key] = _progress(learner)
+                    self._version[key] = stored[0]
+                    reloaded.append(key)
+        return reloaded
 
     def put(self, key: str, learner: Learner) -> None:
         """Register a learner built by the caller (e.g. one given to the agent)."""
@@ -114,8 +172,8 @@ class LearnerRegistry:
 
         A key that was never loaded has nothing to write (0).
         """
-        if self.root is None:
-            return 0
+        if self.root is None or self.versions is not None:
+            return 0  # with stored versions the learner writes them as it steps
         saved = 0
         with self._lock:
             keys = list(self._learners) if key is None else [key] if key in self._learners else []
@@ -148,6 +206,9 @@ class LearnerRegistry:
         with self._lock:
             self._learners.pop(key, None)
             self._saved.pop(key, None)
+            self._version.pop(key, None)
+            if delete_checkpoint and self.versions is not None and key != SHARED:
+                self.versions.delete(key)
             path = self.path(key)
             if delete_checkpoint and path is not None and key != SHARED:
                 # the backup too: an interrupted save's leftover would otherwise bring the learner back

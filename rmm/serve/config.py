@@ -150,6 +150,12 @@ class ServeConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     selection_ttl_s: float = 3600.0
     checkpoint_interval_s: float = 300.0
+    # with a postgresql:// store: how often a replica that is not the learner loads newer reranker
+    # versions (the bound on how stale its ranking is; at most 2 s)
+    reload_interval_s: float = 1.0
+    # with a postgresql:// store: how long a replica holds a claimed reflection job before another
+    # may take it over (renewed every third of it while the job runs)
+    job_lease_s: float = 60.0
     llm: str | None = None
     reflection_speakers_exclude: list[str] = field(default_factory=lambda: ["assistant"])
     seed: int = 0
@@ -181,6 +187,10 @@ class ServeConfig:
             raise ConfigError(f"selection_ttl_s must be > 0, got {self.selection_ttl_s}")
         if self.checkpoint_interval_s < 0:
             raise ConfigError(f"checkpoint_interval_s must be >= 0 (0 = only on shutdown), got {self.checkpoint_interval_s}")
+        if not 0 < self.reload_interval_s <= 2.0:
+            raise ConfigError(f"reload_interval_s must be in (0, 2] seconds, got {self.reload_interval_s}")
+        if not self.job_lease_s > 0:
+            raise ConfigError(f"job_lease_s must be > 0, got {self.job_lease_s}")
         from rmm.memory.index import BACKENDS, PRECISIONS
 
         if self.index_backend not in BACKENDS:

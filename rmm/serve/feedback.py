@@ -11,6 +11,11 @@ query embedding, τ, weights version, μ, mask): nothing is re-read from the ban
 edited or deleted since cannot change what is learned. Feedback for a greedy selection
 (`explore=false`) is accepted and stored but not learned from — top-M picks are not a sample, so
 there is no behaviour probability to correct with; the answer says so (`learned`, `reason`).
+
+Over a PostgreSQL bank (`Selections.learns_in_background`) the claim appends the feedback to the
+database and the answer returns once it is committed; the replica holding the learner lock
+applies it within about a second (`rmm.serve.learner_lease`), so the answer's `updated` is false
+and `learned` means "queued for the learner".
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from rmm.policy.citations import Citation, parse_citations, parse_json_citations
 from rmm.policy.learner import rewards_from_citations
 from rmm.policy.registry import LearnerRegistry
 from rmm.serve.errors import BadRequestError
-from rmm.serve.pending import PendingSelection, SelectionStore
+from rmm.serve.pending import PendingSelection, Selections
 from rmm.serve.records import FeedbackResult
 from rmm.types import Candidates, Selection
 
@@ -35,8 +40,9 @@ NO_CITATION_REASON = "no parseable citation in the reply; feedback stored, not l
 class FeedbackLearner:
     """Claims pending selections and records their rewards; counts the optimizer steps taken."""
 
-    def __init__(self, selections: SelectionStore, learners: LearnerRegistry) -> None:
+    def __init__(self, selections: Selections, learners: LearnerRegistry) -> None:
         self.selections, self.learners = selections, learners
+        self.deferred = bool(getattr(selections, "learns_in_background", False))
         self.updates = 0
 
     def feedback(self, tenant: str, selection_id: str, *, cited: list[int] | None = None, text: str | None = None,
@@ -79,7 +85,11 @@ class FeedbackLearner:
         with self.learners.lock:
             learner = self.learners.get(pending.reranker_key)
             step_before = learner.stats.step
-            if selection.explore or rewards is None:
+            if self.deferred:  # committed to the feedback table; the lock-holding replica learns it
+                if not selection.explore:
+                    learner.stats.skipped_greedy += 1
+                loss = None
+            elif selection.explore or rewards is None:
                 loss = learner.record(selection, rewards)
             else:  # the learner's own refusal, minus its per-call WARNING: greedy feedback is routine here
                 learner.stats.skipped_greedy += 1

@@ -20,11 +20,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from rmm.serve.errors import UnknownJobError
 
-__all__ = ["Job", "JobQueue", "JobStatus"]
+__all__ = ["Handler", "Job", "JobQueue", "JobStatus", "Jobs"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,23 @@ class Job:
 
 
 Handler = Callable[[Job, dict[str, Any]], dict[str, Any]]
+
+
+class Jobs(Protocol):
+    """A durable job queue: `JobQueue` (SQLite beside the bank, one server) or
+    `rmm.serve.pg_jobs.PgJobQueue` (PostgreSQL, claimed once across replicas)."""
+
+    def start(self) -> None: ...
+
+    def submit(self, tenant: str, user_id: str, kind: str, payload: dict[str, Any]) -> Job: ...
+
+    def get(self, tenant: str, job_id: str) -> Job: ...
+
+    def cancel_user(self, user_id: str) -> int: ...
+
+    def counts(self) -> dict[str, int]: ...
+
+    def close(self, timeout: float = 60.0) -> None: ...
 
 
 class JobQueue:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ from rmm.serve.errors import (
     UnknownSelectionError,
 )
 
-__all__ = ["PendingSelection", "SelectionStore"]
+__all__ = ["PendingSelection", "SelectionStore", "Selections", "open_selections"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,43 @@ def _row(s: PendingSelection) -> tuple:
             None if s.version is None else int(s.version), _mask_blob(s.mask))
 
 
+class Selections(Protocol):
+    """Where pending selections and their feedback live: `SelectionStore` (SQLite beside the bank,
+    the default) or `rmm.serve.pg_pending.PgSelectionStore` (PostgreSQL, shared by replicas)."""
+
+    ttl_s: float
+    # True where feedback is only appended here and a background learner (the lock holder among
+    # the replicas) applies it; False where the request's own process records it at once.
+    learns_in_background: bool
+
+    def put_many(self, selections: list[PendingSelection]) -> None: ...
+
+    def upgrade_legacy(self, embeddings_of: EmbeddingsOf, now: float | None = None) -> tuple[int, int]: ...
+
+    def claim(self, tenant: str, selection_id: str,
+              check: Callable[[PendingSelection], dict[str, Any] | None] | None = None,
+              now: float | None = None) -> PendingSelection: ...
+
+    def feedback_of(self, tenant: str, selection_id: str) -> dict[str, Any] | None: ...
+
+    def delete_user(self, user_id: str) -> int: ...
+
+    def sweep(self, now: float | None = None) -> int: ...
+
+    def count_pending(self, now: float | None = None) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def open_selections(location: str | Path, ttl_s: float) -> Selections:
+    """The selection store for a location: a `postgresql://` URL or a SQLite file path."""
+    if isinstance(location, str) and location.startswith(("postgresql://", "postgres://")):
+        from rmm.serve.pg_pending import PgSelectionStore
+
+        return PgSelectionStore(location, ttl_s)
+    return SelectionStore(location, ttl_s)
+
+
 class SelectionStore:
     """Thread-safe: one connection guarded by a lock (the batch worker writes, handlers claim)."""
 
@@ -140,6 +177,7 @@ class SelectionStore:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.path = Path(path)
         self.ttl_s = float(ttl_s)
+        self.learns_in_background = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(str(self.path), timeout=30.0, check_same_thread=False, isolation_level=None)
@@ -217,27 +255,9 @@ class SelectionStore:
             try:
                 row = self._conn.execute(f"SELECT {_COLUMNS} FROM selections WHERE id=?", (selection_id,)).fetchone()
                 if row is None or row[1] != tenant:
-                    raise UnknownSelectionError(
-                        f"unknown selection id {selection_id!r}: never issued to this API key's tenant, or "
-                        "purged (expired or rewarded more than one TTL ago, or its user was deleted)"
-                    )
+                    raise unknown_selection(selection_id)
                 selection = _from_row(row)
-                if selection.consumed_at is not None:
-                    raise SelectionUsedError(
-                        f"selection {selection_id!r} already received feedback at "
-                        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(selection.consumed_at))}; "
-                        "each selection is rewarded once"
-                    )
-                if selection.expires_at < now:
-                    raise SelectionExpiredError(
-                        f"selection {selection_id!r} expired {now - selection.expires_at:.1f} s ago (selections "
-                        f"wait {self.ttl_s:g} s for feedback; raise selection_ttl_s to allow slower feedback)"
-                    )
-                if selection.embeddings is None:  # written by an older rmm after this store was opened
-                    raise SelectionExpiredError(
-                        f"selection {selection_id!r} was written without its candidate embeddings (an older rmm); "
-                        "it cannot be learned from faithfully — retrieve again"
-                    )
+                refuse_unusable(selection, now, self.ttl_s)
                 stored = check(selection) if check is not None else None
                 self._conn.execute("UPDATE selections SET consumed_at=?, feedback=? WHERE id=?",
                                    (now, None if stored is None else json.dumps(stored), selection_id))
@@ -281,6 +301,33 @@ class SelectionStore:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+def unknown_selection(selection_id: str) -> UnknownSelectionError:
+    return UnknownSelectionError(
+        f"unknown selection id {selection_id!r}: never issued to this API key's tenant, or "
+        "purged (expired or rewarded more than one TTL ago, or its user was deleted)"
+    )
+
+
+def refuse_unusable(selection: PendingSelection, now: float, ttl_s: float) -> None:
+    """Raise when a selection can no longer be rewarded (already rewarded, expired, legacy row)."""
+    if selection.consumed_at is not None:
+        raise SelectionUsedError(
+            f"selection {selection.id!r} already received feedback at "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(selection.consumed_at))}; "
+            "each selection is rewarded once"
+        )
+    if selection.expires_at < now:
+        raise SelectionExpiredError(
+            f"selection {selection.id!r} expired {now - selection.expires_at:.1f} s ago (selections "
+            f"wait {ttl_s:g} s for feedback; raise selection_ttl_s to allow slower feedback)"
+        )
+    if selection.embeddings is None:  # written by an older rmm after this store was opened
+        raise SelectionExpiredError(
+            f"selection {selection.id!r} was written without its candidate embeddings (an older rmm); "
+            "it cannot be learned from faithfully — retrieve again"
+        )
 
 
 def _from_row(row: tuple) -> PendingSelection:

@@ -11,13 +11,14 @@ only ever sees ids it could have named itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rmm.memory.bank import MemoryBank
 from rmm.memory.sessions import SessionLog
 from rmm.serve.errors import NoOpenSessionError
-from rmm.serve.jobs import Job, JobQueue
+from rmm.serve.jobs import Handler, Job, JobQueue, Jobs
 from rmm.serve.tenants import scoped, unscoped_id
 from rmm.types import Memory, Session, Turn
 
@@ -32,10 +33,11 @@ class SessionReflection:
     """Sessions in, reflection jobs out; `jobs` must be started (and closed) by the owner."""
 
     def __init__(self, bank: MemoryBank, sessions: SessionLog, jobs_path: Path, llm: LLM | None, *,
-                 speakers_exclude: list[str]) -> None:
+                 speakers_exclude: list[str], jobs: Callable[[Handler], Jobs] | None = None) -> None:
+        """`jobs` builds the queue around this object's handler (default: SQLite at `jobs_path`)."""
         self.bank, self.sessions, self.llm = bank, sessions, llm
         self.speakers_exclude = speakers_exclude
-        self.jobs = JobQueue(jobs_path, self.run)
+        self.jobs: Jobs = jobs(self.run) if jobs is not None else JobQueue(jobs_path, self.run)
         self._reflector: ProspectiveReflector | None = None
 
     def append_turns(self, tenant: str, user: str, turns: list[tuple[str, str]]) -> list[Turn]:

@@ -12,11 +12,19 @@ tests and embedding code see one object:
   tenant's feedback never moves another's ranking), per user, or one shared by the whole bank
   when `reranker_per: bank` says so; checkpointed every `checkpoint_interval_s` by
   `rmm.serve.maintenance` and at `close()`.
+
+The store location picks where the server's own state lives. A bank folder (the default): SQLite
+files beside it (`selections.sqlite`, `jobs.sqlite`) and checkpoint folders, the learner in this
+process. A `postgresql://` store: the same interfaces over the bank's database (tables
+`selections`, `feedback`, `jobs`, `reranker_versions`), so any number of replicas serve one bank;
+`rmm.serve.learner_lease.SharedLearning` makes exactly one of them the learner and keeps every
+replica on the newest reranker version. Open sessions (turns not yet ended) stay in the folder.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,11 +35,11 @@ from rmm.policy.learner import Learner, is_normalized_encoder
 from rmm.policy.registry import SHARED, LearnerRegistry, checkpoint_exists
 from rmm.serve.config import ServeConfig
 from rmm.serve.feedback import FeedbackLearner
-from rmm.serve.jobs import Job
+from rmm.serve.jobs import Handler, Job, Jobs
 from rmm.serve.locked_encoder import LockedEncoder
 from rmm.serve.maintenance import Maintenance
 from rmm.serve.memories import UserMemories
-from rmm.serve.pending import SelectionStore
+from rmm.serve.pending import Selections, SelectionStore
 from rmm.serve.query_encoder import query_encoder
 from rmm.serve.records import (
     FeedbackResult,
@@ -48,6 +56,8 @@ from rmm.types import Memory, Turn
 
 if TYPE_CHECKING:
     from rmm.llm.base import LLM
+    from rmm.memory.pg_database import PgDatabase
+    from rmm.serve.learner_lease import SharedLearning
 
 __all__ = [
     "FeedbackResult",
@@ -91,19 +101,41 @@ class RetrievalService:
 
             llm = load_llm(config.llm)
         self.llm = llm
-        self.selections = SelectionStore(path / SELECTIONS_FILE, config.selection_ttl_s)
+        self.db: PgDatabase | None = None
+        self.shared_learning: SharedLearning | None = None
+        jobs: Callable[[Handler], Jobs] | None = None
+        versions = None
+        if config.store:  # the server's state in the bank's database, shared by every replica
+            from rmm.memory.pg_database import PgDatabase
+            from rmm.policy.pg_versions import RerankerVersions
+            from rmm.serve.pg_jobs import PgJobQueue
+            from rmm.serve.pg_pending import PgSelectionStore
+
+            db = self.db = PgDatabase(config.store)
+            self.selections: Selections = PgSelectionStore(db, config.selection_ttl_s)
+            versions = RerankerVersions(db)
+            jobs = lambda handler: PgJobQueue(db, handler, lease_s=config.job_lease_s)  # noqa: E731
+        else:
+            self.selections = SelectionStore(path / SELECTIONS_FILE, config.selection_ttl_s)
         self.selections.upgrade_legacy(self.bank.embeddings)
         self.sessions = SessionLog(path / SESSIONS_FILE)
         self.learners = LearnerRegistry(self.bank.dim, self.learner_config, encoder_name=self.encoder.fingerprint,
-                                        device=self.bank.device, root=path / CHECKPOINT_DIR,
-                                        subdir="users" if config.reranker_per == "user" else "tenants")
+                                        device=self.bank.device, root=None if config.store else path / CHECKPOINT_DIR,
+                                        subdir="users" if config.reranker_per == "user" else "tenants",
+                                        versions=versions)
+        if self.db is not None and versions is not None:
+            from rmm.serve.learner_lease import SharedLearning
+
+            self.shared_learning = SharedLearning(self.db, self.learners, versions,
+                                                  reload_interval_s=config.reload_interval_s)
         self.reflection = SessionReflection(self.bank, self.sessions, path / JOBS_FILE, llm,
-                                            speakers_exclude=config.reflection_speakers_exclude)
+                                            speakers_exclude=config.reflection_speakers_exclude, jobs=jobs)
         self.jobs = self.reflection.jobs
         self.user_memories = UserMemories(self.bank, self.encoder, selections=self.selections, sessions=self.sessions,
                                           jobs=self.jobs, learners=self.learners,
                                           per_user_rerankers=config.reranker_per == "user")
-        self.retriever = BatchRetriever(config, self.bank, self.encoder, self.learners, self.selections,
+        self.retriever = BatchRetriever(config, self.bank, self.encoder, self.learners,
+                                        self.selections,  # type: ignore[arg-type]  # any Selections
                                         tau=self.learner_config.tau)
         self.feedback_learner = FeedbackLearner(self.selections, self.learners)
         self.maintenance = Maintenance(sweep=self.selections.sweep, checkpoint=self.checkpoint,
@@ -118,6 +150,8 @@ class RetrievalService:
         self._load_rerankers()
         self.jobs.start()
         self.maintenance.start()
+        if self.shared_learning is not None:
+            self.shared_learning.start()
 
     def _load_rerankers(self) -> None:
         per = self.config.reranker_per
@@ -125,7 +159,7 @@ class RetrievalService:
         for key in keys:
             self.learners.get(key)
         shared = self.config.bank_path / CHECKPOINT_DIR
-        if per != "bank" and checkpoint_exists(shared):
+        if per != "bank" and not self.config.store and checkpoint_exists(shared):
             log.warning("%s holds a reranker shared by the whole bank, which reranker_per: %s does not use (each "
                         "%s learns its own); set reranker_per: bank to keep ranking with it", shared, per, per)
 
@@ -134,6 +168,8 @@ class RetrievalService:
         if self._closed:
             return
         self._closed = True
+        if self.shared_learning is not None:
+            self.shared_learning.stop()
         self.maintenance.stop()
         self.jobs.close()
         try:
@@ -142,6 +178,8 @@ class RetrievalService:
             self.selections.close()
             self.sessions.close()
             self.bank.close()
+            if self.db is not None:
+                self.db.close()
 
     # ---- auth and rerankers ----------------------------------------------------------------
     def tenant_for_key(self, key: str | None) -> str | None:
@@ -226,4 +264,14 @@ class RetrievalService:
             "learner_records": records,
             "learner_updates": self.learner_updates,
             "encoder_query_calls": self.encoder.query_calls,
+            **self._shared_stats(),
         }
+
+    def _shared_stats(self) -> dict[str, Any]:
+        """With a PostgreSQL store: whether this replica is the learner, and its work."""
+        if self.shared_learning is None:
+            return {}
+        lease = self.shared_learning.stats
+        return {"is_learner": int(lease.is_learner), "learner_acquisitions": lease.acquisitions,
+                "feedback_applied": lease.applied, "reranker_versions_written": lease.versions_written,
+                "reranker_reloads": lease.reloads}

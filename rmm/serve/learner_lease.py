@@ -1,0 +1,222 @@
+"""One learner among the replicas of a PostgreSQL bank, and every replica on its newest reranker.
+
+Each replica runs one `SharedLearning` thread. It tries a PostgreSQL *session-level* advisory
+lock (`pg_try_advisory_lock`, a key derived from the bank schema) on a dedicated connection about
+once a second. The replica that holds it is the learner: it reads feedback rows no reranker
+version contains yet (`rmm.serve.pg_pending.unapplied_feedback`, in seq order), rebuilds each
+update from its selection row alone (candidates and embeddings as scored, μ, τ, mask — never
+re-read from the bank) and records it through the ordinary `Learner` (truncated-importance
+REINFORCE). When a batch steps the optimizer, it writes the new reranker version (version = the
+learner's step) and marks that batch's feedback applied in one transaction on the lock's own
+connection — so a learner that lost its connection (and with it the lock) cannot write at all,
+and the `(key, version)` primary key fences off any second writer. Rows waiting in a partial
+batch stay unapplied in the database, so a learner that dies loses nothing: the next one
+re-reads them.
+
+When the learner dies its connection drops, PostgreSQL releases the lock, and another replica
+takes it at its next try (about a second). Every replica that is not the learner polls the newest
+version of each key every `reload_interval_s` and swaps it in (`LearnerRegistry.refresh`); the
+learner's own rerankers are always the newest, since it wrote them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rmm.memory.pg_database import PgDatabase
+from rmm.policy.pg_versions import RerankerVersions, learner_to_bytes
+from rmm.policy.registry import LearnerRegistry
+from rmm.serve.feedback import rebuild
+from rmm.serve.pg_pending import mark_applied, unapplied_feedback
+
+if TYPE_CHECKING:
+    import psycopg
+
+__all__ = ["LeaseStats", "SharedLearning", "learner_lock_key"]
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 1.0  # how often a replica that is not the learner tries the lock
+APPLY_EVERY_S = 0.2  # how often the learner looks for new feedback
+# Keepalives on the lock's connection: a learner host that vanishes without closing its socket
+# releases the lock within ~idle + interval x count seconds instead of the OS default (hours).
+_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
+
+
+def learner_lock_key(schema: str) -> int:
+    """The advisory lock key of a bank's learner (signed 64-bit, from the schema name)."""
+    digest = hashlib.sha256(f"rmm-learner:{schema}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+@dataclass
+class LeaseStats:
+    """What `/metrics` and the chaos test read: whether this replica learns, and what it did."""
+
+    is_learner: bool = False
+    acquired_at: float | None = None  # wall-clock time this replica last became the learner
+    acquisitions: int = 0
+    applied: int = 0  # feedback rows this replica applied (marked in a committed version)
+    versions_written: int = 0
+    reloads: int = 0  # newer versions swapped in while not the learner
+    errors: int = 0
+    seen_versions: dict[str, int] = field(default_factory=dict)
+
+
+class SharedLearning:
+    """The lease + learner + version-poller thread of one replica (start / stop)."""
+
+    def __init__(self, db: PgDatabase, registry: LearnerRegistry, versions: RerankerVersions, *,
+                 reload_interval_s: float = 1.0, retry_s: float = RETRY_S, apply_every_s: float = APPLY_EVERY_S,
+                 batch_rows: int = 256) -> None:
+        if not 0 < reload_interval_s <= 2.0:
+            raise ValueError(f"reload_interval_s must be in (0, 2], got {reload_interval_s}")
+        self.db, self.registry, self.versions = db, registry, versions
+        self.reload_interval_s, self.retry_s, self.apply_every_s = reload_interval_s, retry_s, apply_every_s
+        self.batch_rows = batch_rows
+        self.lock_key = learner_lock_key(db.where.schema)
+        self.stats = LeaseStats()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._buffered: dict[str, list[int]] = defaultdict(list)  # key -> seqs recorded, not yet in a version
+        self._touched: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rmm-learner-lease", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread and give the lock back (closing its connection releases it)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self._release()
+
+    @property
+    def is_learner(self) -> bool:
+        return self._conn is not None
+
+    # ---- one round at a time ---------------------------------------------------------------
+    def _run(self) -> None:
+        next_try = next_reload = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                if self._conn is None and now >= next_try:
+                    next_try = now + self.retry_s
+                    self.try_acquire()
+                if self._conn is not None:
+                    self.apply_pending()
+                elif now >= next_reload:
+                    next_reload = now + self.reload_interval_s
+                    self.reload()
+            except Exception:  # a lost database or connection: drop the role, keep serving, retry
+                self.stats.errors += 1
+                log.exception("shared learning round failed")
+                self._lose_lease()
+            wait = self.apply_every_s if self._conn is not None else min(next_try, next_reload) - time.monotonic()
+            self._stop.wait(max(0.02, wait))
+
+    def try_acquire(self) -> bool:
+        """Take the learner lock if nobody holds it; on success, start from the newest versions."""
+        conn = self.db.dedicated(**_KEEPALIVE)
+        try:
+            got = bool(conn.execute("SELECT pg_try_advisory_lock(%s)", (self.lock_key,)).fetchone()[0])  # type: ignore[index]
+        except Exception:
+            conn.close()
+            raise
+        if not got:
+            conn.close()
+            return False
+        self._conn = conn
+        self.stats.is_learner = True
+        self.stats.acquired_at = time.time()
+        self.stats.acquisitions += 1
+        self._buffered.clear()
+        self.reload()  # nobody else writes versions now: what the database holds is the newest
+        log.info("this replica is now the learner of bank schema %s", self.db.where.schema)
+        return True
+
+    def reload(self) -> list[str]:
+        """Swap in every newer stored version of the loaded keys."""
+        latest = self.versions.latest()
+        self.stats.seen_versions = dict(latest)
+        reloaded = self.registry.refresh(latest)
+        self.stats.reloads += len(reloaded)
+        return reloaded
+
+    def apply_pending(self) -> int:
+        """Record every unapplied feedback row; commit a version per optimizer step. Returns rows recorded."""
+        conn = self._conn
+        if conn is None:
+            return 0
+        held = [seq for seqs in self._buffered.values() for seq in seqs]
+        with conn.transaction(), conn.cursor() as cur:
+            rows = unapplied_feedback(cur, exclude=held, limit=self.batch_rows)
+        for row in rows:
+            key = row.selection.reranker_key
+            with self.registry.lock:
+                learner = self.registry.get(key)
+                before = learner.stats.updates
+                learner.record(rebuild(row.selection), torch.tensor(row.rewards, dtype=torch.float32))
+                self._buffered[key].append(row.seq)
+                self._touched.add(key)
+                stepped = learner.stats.updates > before
+                snapshot = copy.deepcopy(learner) if stepped else None
+            if snapshot is not None:
+                self._commit(key, snapshot)
+        return len(rows)
+
+    def _commit(self, key: str, learner: Any) -> None:
+        """Write `learner` (just stepped) as `key`'s next version and mark its batch applied, atomically."""
+        assert self._conn is not None
+        seqs = self._buffered.pop(key, [])
+        version = int(learner.stats.step)
+        data = learner_to_bytes(learner) if version != self.registry.version_of(key) else None
+        with self._conn.transaction(), self._conn.cursor() as cur:
+            if data is not None:
+                self.versions.write(cur, key, version, data)
+            mark_applied(cur, seqs, version)  # a skipped (non-finite) update consumes its batch at the same version
+        with self.registry.lock:
+            if key in self.registry:
+                self.registry.install(key, self.registry.get(key), version)
+        self.stats.applied += len(seqs)
+        self.stats.versions_written += data is not None
+        self.stats.seen_versions[key] = version
+
+    # ---- losing the role ---------------------------------------------------------------------
+    def _lose_lease(self) -> None:
+        """Forget what this learner recorded but did not commit: its rerankers are reloaded from the
+        database at next use (the rows are still unapplied there, for the next learner)."""
+        was = self._conn is not None
+        self._release()
+        if was:
+            with self.registry.lock:
+                for key in self._touched:
+                    self.registry.drop(key)
+            self._touched.clear()
+            self._buffered.clear()
+            log.warning("this replica lost the learner lock (connection lost); another replica takes over")
+
+    def _release(self) -> None:
+        conn, self._conn = self._conn, None
+        self.stats.is_learner = False
+        if conn is not None:
+            try:
+                conn.close()  # the session ends: PostgreSQL releases the advisory lock
+            except Exception:
+                log.debug("closing the learner lock connection failed", exc_info=True)
+

@@ -1,0 +1,202 @@
+"""Pending selections and their feedback in PostgreSQL, shared by every replica of the bank.
+
+Same contract as the SQLite `rmm.serve.pending.SelectionStore` (the `Selections` protocol): a
+row keeps everything its update needs as sampled (candidate ids and embeddings as scored, query
+embedding, ordered picks, μ, τ, mask, weights version), so feedback posted to any replica finds
+it, and the learner — whichever replica holds the learner lock — rebuilds the update from the row
+alone. Claiming a selection appends its feedback to the `feedback` table in the same transaction
+(committed before the HTTP answer), so acknowledged feedback survives any replica's death; the
+learner applies it later (`learns_in_background`). A rewarded selection whose feedback the
+learner has not applied yet is never swept.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from rmm.memory.pg_database import PgDatabase
+from rmm.serve.errors import UnknownSelectionError
+from rmm.serve.pending import (
+    EmbeddingsOf,
+    PendingSelection,
+    _blob,
+    _mask_blob,
+    _tensor,
+    refuse_unusable,
+    unknown_selection,
+)
+
+if TYPE_CHECKING:
+    import psycopg
+
+__all__ = ["AppliedFeedback", "PgSelectionStore", "mark_applied", "unapplied_feedback"]
+
+log = logging.getLogger(__name__)
+
+_COLUMNS = ("id, tenant, user_id, reranker_key, query, memory_ids, chosen, explore, query_emb, scores, logp, noise, "
+            "embeddings, tau, version, mask, created_at, expires_at, consumed_at")
+_PREFIXED = ", ".join(f"s.{c.strip()}" for c in _COLUMNS.split(","))
+
+
+@dataclass
+class AppliedFeedback:
+    """One feedback row the learner has to apply: its order, its selection as sampled, its rewards."""
+
+    seq: int
+    selection: PendingSelection
+    rewards: list[float] | None
+
+
+class PgSelectionStore:
+    """`Selections` on a PostgreSQL bank schema (tables `selections`, `feedback`; migration 0002)."""
+
+    learns_in_background = True
+
+    def __init__(self, url_or_db: str | PgDatabase, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.ttl_s = float(ttl_s)
+        self._own = isinstance(url_or_db, str)
+        self.db = PgDatabase(url_or_db) if isinstance(url_or_db, str) else url_or_db
+
+    def put_many(self, selections: list[PendingSelection]) -> None:
+        """Persist a batch's selections in one transaction, committed before the results are returned."""
+        if not selections:
+            return
+        from psycopg.types.json import Jsonb
+
+        for s in selections:
+            if s.embeddings is None:
+                raise ValueError(f"selection {s.id!r} has no candidate embeddings; its update would have to "
+                                 "re-read them from the store")
+        rows = [(s.id, s.tenant, s.user_id, s.reranker_key, s.query, Jsonb(list(s.memory_ids)), Jsonb(list(s.chosen)),
+                 bool(s.explore), _blob(s.query_embedding), _blob(s.scores), _blob(s.logp), _blob(s.noise),
+                 _blob(s.embeddings), None if s.tau is None else float(s.tau),
+                 None if s.version is None else int(s.version), _mask_blob(s.mask), s.created_at, s.expires_at, None)
+                for s in selections]
+        with self.db.tx() as cur:
+            cur.executemany(f"INSERT INTO selections ({_COLUMNS}) VALUES ({', '.join(['%s'] * len(rows[0]))})", rows)
+
+    def upgrade_legacy(self, embeddings_of: EmbeddingsOf, now: float | None = None) -> tuple[int, int]:
+        """Nothing to upgrade: every row in the database was written with its embeddings (NOT NULL)."""
+        return 0, 0
+
+    def claim(self, tenant: str, selection_id: str,
+              check: Callable[[PendingSelection], dict[str, Any] | None] | None = None,
+              now: float | None = None) -> PendingSelection:
+        """The tenant's pending selection, marked rewarded and its feedback appended in one
+        transaction (row-locked, so two replicas cannot both reward it). `check` may refuse before
+        anything changes; what it returns is stored, and its `rewards` are what the learner uses."""
+        from psycopg.types.json import Jsonb
+
+        now = time.time() if now is None else now
+        with self.db.tx() as cur:
+            cur.execute(f"SELECT {_COLUMNS} FROM selections WHERE id = %s FOR UPDATE", (selection_id,))
+            row = cur.fetchone()
+            if row is None or row[1] != tenant:
+                raise unknown_selection(selection_id)
+            selection = _from_row(row)
+            refuse_unusable(selection, now, self.ttl_s)
+            stored = check(selection) if check is not None else None
+            rewards = None if stored is None else stored.get("rewards")
+            cur.execute("UPDATE selections SET consumed_at = %s, feedback = %s WHERE id = %s",
+                        (now, None if stored is None else Jsonb(stored), selection_id))
+            cur.execute("INSERT INTO feedback (selection_id, reranker_key, rewards, learn, created_at) "
+                        "VALUES (%s, %s, %s, %s, %s)",
+                        (selection_id, selection.reranker_key, None if rewards is None else Jsonb(list(rewards)),
+                         bool(selection.explore and rewards is not None), now))
+        selection.consumed_at = now
+        return selection
+
+    def feedback_of(self, tenant: str, selection_id: str) -> dict[str, Any] | None:
+        """The feedback stored with a rewarded selection (None while it waits)."""
+        with self.db.tx() as cur:
+            row = cur.execute("SELECT tenant, feedback FROM selections WHERE id = %s", (selection_id,)).fetchone()
+        if row is None or row[0] != tenant:
+            raise UnknownSelectionError(f"unknown selection id {selection_id!r}")
+        return None if row[1] is None else dict(row[1])
+
+    def delete_user(self, user_id: str) -> int:
+        """Delete the user's selections (their feedback rows go with them)."""
+        with self.db.tx() as cur:
+            return cur.execute("DELETE FROM selections WHERE user_id = %s", (user_id,)).rowcount
+
+    def sweep(self, now: float | None = None) -> int:
+        """Delete rows expired or rewarded more than one TTL ago, keeping any whose feedback the
+        learner has not applied yet (a learner that was down for an hour still learns from it)."""
+        cutoff = (time.time() if now is None else now) - self.ttl_s
+        with self.db.tx() as cur:
+            removed = cur.execute(
+                "DELETE FROM selections s WHERE (s.consumed_at IS NULL AND s.expires_at < %(c)s) "
+                "OR (s.consumed_at < %(c)s AND NOT EXISTS (SELECT 1 FROM feedback f WHERE f.selection_id = s.id "
+                "AND f.learn AND f.applied_version IS NULL))", {"c": cutoff}).rowcount
+        if removed:
+            log.info("swept %d expired or rewarded selections", removed)
+        return removed
+
+    def count_pending(self, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        with self.db.tx() as cur:
+            row = cur.execute("SELECT count(*) FROM selections WHERE consumed_at IS NULL AND expires_at >= %s",
+                              (now,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def count_unapplied(self) -> int:
+        """Feedback waiting for the learner."""
+        with self.db.tx() as cur:
+            row = cur.execute("SELECT count(*) FROM feedback WHERE learn AND applied_version IS NULL").fetchone()
+        return int(row[0]) if row else 0
+
+    def close(self) -> None:
+        if self._own:
+            self.db.close()
+
+
+def unapplied_feedback(cur: psycopg.Cursor[Any], *, exclude: list[int] | None = None,
+                       limit: int = 256) -> list[AppliedFeedback]:
+    """Feedback to learn from that no reranker version contains yet, in seq order, minus `exclude`
+    (rows the learner already holds in its buffer). No high-water mark: a row with a lower seq may
+    commit after a higher one, and it must still be found."""
+    cur.execute(f"SELECT f.seq, f.rewards, {_PREFIXED} FROM feedback f JOIN selections s ON s.id = f.selection_id "
+                "WHERE f.learn AND f.applied_version IS NULL AND NOT (f.seq = ANY(%s)) ORDER BY f.seq LIMIT %s",
+                (list(exclude or []), limit))
+    return [AppliedFeedback(seq=int(r[0]), rewards=None if r[1] is None else [float(x) for x in r[1]],
+                            selection=_from_row(r[2:])) for r in cur.fetchall()]
+
+
+def mark_applied(cur: psycopg.Cursor[Any], seqs: list[int], version: int) -> None:
+    """Mark feedback rows as contained in reranker `version`; all of them, or the transaction fails
+    (another learner applied one meanwhile: this one's view is stale)."""
+    if not seqs:
+        return
+    done = cur.execute("UPDATE feedback SET applied_version = %s, applied_at = %s "
+                       "WHERE seq = ANY(%s) AND applied_version IS NULL", (version, time.time(), seqs)).rowcount
+    if done != len(seqs):
+        raise RuntimeError(f"{len(seqs) - done} of {len(seqs)} feedback rows were applied by another learner")
+
+
+def _from_row(row: tuple) -> PendingSelection:
+    memory_ids = [str(m) for m in row[5]]
+    query_embedding = _tensor(bytes(row[8]))
+    scores = _tensor(bytes(row[9]))
+    embeddings = _tensor(bytes(row[12]))
+    assert query_embedding is not None and scores is not None and embeddings is not None
+    mask = None if row[15] is None else torch.from_numpy(np.frombuffer(bytes(row[15]), dtype=np.uint8).copy()).bool()
+    return PendingSelection(
+        id=row[0], tenant=row[1], user_id=row[2], reranker_key=row[3], query=row[4], memory_ids=memory_ids,
+        chosen=[int(c) for c in row[6]], explore=bool(row[7]), query_embedding=query_embedding, scores=scores,
+        logp=_tensor(None if row[10] is None else bytes(row[10])),
+        noise=_tensor(None if row[11] is None else bytes(row[11])),
+        embeddings=embeddings.reshape(len(memory_ids), query_embedding.numel()),
+        tau=None if row[13] is None else float(row[13]), version=None if row[14] is None else int(row[14]),
+        mask=mask, created_at=float(row[16]), expires_at=float(row[17]),
+        consumed_at=None if row[18] is None else float(row[18]),
+    )
+
