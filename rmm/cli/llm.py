@@ -1,9 +1,11 @@
-"""`rmm llm serve`: start `vllm serve` for a model on loopback and keep it up until Ctrl-C."""
+"""`rmm llm serve`: start `vllm serve` for a model on loopback and keep it up until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from rmm.cli.arguments import port, positive_float
@@ -28,19 +30,39 @@ def register(subparsers: Any) -> None:
     d.set_defaults(func=run)
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived: stop the server like Ctrl-C does."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
 def run(args: argparse.Namespace) -> int:
-    """Start the server, wait until it answers, keep it up until Ctrl-C."""
-    from rmm.llm.vllm_server import start_vllm_server, stop_server
+    """Start the server, wait until it answers, keep it up until Ctrl-C or SIGTERM.
+
+    The server runs in its own process group (so its engine workers can be stopped together); a
+    plain `kill` of this command would therefore leave it running — SIGTERM stops it first.
+    """
+    from rmm.llm.vllm_server import served_model_name, start_vllm_server, stop_server
 
     log_path = Path(args.log) if args.log else None
-    console.print(f"starting vLLM for {args.model} on http://{args.host}:{args.port}/v1 …")
-    proc = start_vllm_server(args.model, host=args.host, port=args.port, extra_args=args.vllm_args,
-                             python=args.python, timeout_s=args.timeout, log_path=log_path)
-    console.print(f"ready — use --llm openai:http://{args.host}:{args.port}/v1@{args.model}  (Ctrl-C stops it)")
+    name = served_model_name(args.model, args.vllm_args)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        proc.wait()
-    except KeyboardInterrupt:
+        console.print(f"starting vLLM for {args.model} on http://{args.host}:{args.port}/v1 …")
+        proc = start_vllm_server(args.model, host=args.host, port=args.port, extra_args=args.vllm_args,
+                                 python=args.python, timeout_s=args.timeout, log_path=log_path)
+        console.print(f"ready — use --citer/--llm openai:http://{args.host}:{args.port}/v1@{name}  "
+                      "(Ctrl-C stops it)")
+        try:
+            proc.wait()
+        except (KeyboardInterrupt, _Terminated):
+            pass
+        finally:
+            stop_server(proc)
+    except _Terminated:  # while starting: start_vllm_server has already stopped the process
         pass
     finally:
-        stop_server(proc)
+        signal.signal(signal.SIGTERM, previous)
     return 0

@@ -28,7 +28,7 @@ import httpx
 
 from rmm.errors import LLMError
 
-__all__ = ["server_command", "start_vllm_server", "stop_server", "wait_until_ready"]
+__all__ = ["served_model_name", "server_command", "start_vllm_server", "stop_server", "wait_until_ready"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,16 @@ def server_command(model_path: str, host: str, port: int, extra_args: Sequence[s
                    python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
             "--host", host, "--port", str(port), *extra_args]
+
+
+def served_model_name(model_path: str, extra_args: Sequence[str] = ()) -> str:
+    """The name clients send as `model`: vLLM's `--served-model-name` if given, else the model path."""
+    for i, arg in enumerate(extra_args):
+        if arg == "--served-model-name" and i + 1 < len(extra_args):
+            return str(extra_args[i + 1])
+        if arg.startswith("--served-model-name="):
+            return arg.split("=", 1)[1]
+    return str(model_path)
 
 
 def _log_tail(path: Path | None, lines: int = _LOG_TAIL_LINES) -> str:
