@@ -114,6 +114,9 @@ class Candidates:
     """The retriever's top-K for one query: what the reranker rescores.
 
     `embeddings` is None for retrievers without vectors (BM25); the reranker needs them.
+    `lexical` is the hybrid first stage's fused score of each candidate scaled to [0, 1]
+    (`rmm.memory.hybrid`), the reranker's optional learned feature; None from a dense or BM25
+    retriever. A Selection keeps its candidates, so the feature is recorded as it was sampled.
     """
 
     query: str
@@ -122,6 +125,7 @@ class Candidates:
     embeddings: torch.Tensor | None = None  # [K, d]
     query_embedding: torch.Tensor | None = None  # [d]
     user_id: str = ""
+    lexical: torch.Tensor | None = None  # [K] in [0, 1]; None = no lexical feature
 
     def __len__(self) -> int:
         return len(self.memory_ids)

@@ -93,6 +93,7 @@ class OnlineConfig:
     credit: str = LearnerConfig.credit  # per-pick | reward-to-go | sequence (rmm.policy.credit)
     importance: bool = LearnerConfig.importance  # weight stale selections by min(is_clip, π/μ)
     is_clip: float = LearnerConfig.is_clip
+    lexical_feature: bool = True  # learn a weight for the hybrid first stage's fused score (rmm.policy.reranker)
 
     def __post_init__(self) -> None:
         try:
@@ -116,7 +117,7 @@ class OnlineConfig:
     def learner_config(self) -> LearnerConfig:
         return LearnerConfig(lr=self.lr, batch_size=self.batch_size, baseline=self.baseline, tau=self.tau,
                              estimator=self.estimator, optimizer=self.optimizer, credit=self.credit,
-                             importance=self.importance, is_clip=self.is_clip)
+                             importance=self.importance, is_clip=self.is_clip, lexical_feature=self.lexical_feature)
 
     def resumable_as(self) -> dict[str, Any]:
         """The settings a resumed run must share with the run it continues."""
@@ -206,8 +207,11 @@ class OnlineTrainer:
         return all(self.scorer.turn_session.get(r) in sessions for r in memory.refs)
 
     def score(self, cand: Candidates, order: list[int], q: Question) -> dict[str, float]:
-        ranked = [self.refs[cand.memory_ids[i]] for i in order[: self.cfg.eval_k]]
-        return self.scorer.score(ranked, q, [self.cfg.eval_k])
+        """Metrics at eval_k (M) and at K: recall@K of the whole candidate list is the ceiling any
+        reordering of it can reach (the reranker's headroom, `rmm.eval.retrieval.headroom_captured`)."""
+        ks = sorted({self.cfg.eval_k, self.cfg.k})
+        ranked = [self.refs[cand.memory_ids[i]] for i in order[: max(ks)]]
+        return self.scorer.score(ranked, q, ks)
 
     def greedy(self, cand: Candidates, user: str) -> list[int]:
         """The current reranker's full order of the candidates (scored at eval_k, like the retriever)."""
@@ -383,7 +387,7 @@ class OnlineTrainer:
         if state.get("version") != STATE_VERSION:
             raise CheckpointError(f"{self.output_dir} holds a run written by an older rmm (another checkpoint "
                                   "layout); it cannot be resumed: use another --output directory")
-        if state["config"] != self.cfg.resumable_as():
+        if {"lexical_feature": False, **state["config"]} != self.cfg.resumable_as():  # runs before the flag had none
             raise ConfigError(f"{self.output_dir} holds a run with a different configuration; "
                               "use another --output directory or the same settings")
         self.done, self.rows, self.cited_ratio = Done.from_json(state["done"]), state["rows"], state["cited_ratio"]

@@ -3,6 +3,8 @@
 The headline covers the dataset's own categories (LoCoMo 1–4 with the adversarial category 5
 reported apart; MSC 1 persona and 2 followup), and every figure comes in pairs — the retriever
 alone and with the learned reranker, prequential on the training stream and on held-out questions.
+Beside them, the ceiling: recall@K of the K candidates the reranker reorders, and the share of the
+headroom between the retriever's recall@M and that ceiling which the reranker captured.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rmm.eval.retrieval import SEPARATE_CATEGORIES, RetrievalReport, summarize
+from rmm.eval.retrieval import SEPARATE_CATEGORIES, RetrievalReport, headroom_captured, summarize
 from rmm.policy.registry import SHARED
 from rmm.policy.retrieve import RerankedRetriever
 from rmm.training.online_plot import running_mean
@@ -20,7 +22,7 @@ from rmm.types import Dataset, Question
 if TYPE_CHECKING:
     from rmm.training.online import OnlineTrainer
 
-__all__ = ["OnlineReport", "build_report", "headline", "headline_questions"]
+__all__ = ["OnlineReport", "build_report", "headline", "headline_questions", "headroom"]
 
 Rows = dict[str, dict[str, float]]  # question id → metric → value
 # Figures that vary from run to run; a simulated run's report leaves them out, so it is repeatable.
@@ -44,6 +46,7 @@ class OnlineReport:
     generation: dict[str, Any] = field(default_factory=dict)  # citer kind/model, parse failures, calls, tokens, speed
     staleness: dict[str, Any] = field(default_factory=dict)  # learner steps between sampling and update
     dropped_questions: int = 0  # per-user split: evidence spanning the training and held-out sessions
+    headroom: dict[str, Any] = field(default_factory=dict)  # ceiling recall@K and the share captured (`headroom`)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,6 +83,24 @@ def headline(report: OnlineReport) -> list[tuple[str, float, float]]:
     return rows
 
 
+def headroom(report: OnlineReport) -> dict[str, Any]:
+    """Per stream (prequential, held-out): the ceiling recall@K of the candidates, recall@M of the
+    retriever and of the reranker, and the share of the headroom captured (None: no headroom, or
+    a report without recall@K)."""
+    k, m = report.config.get("k"), report.config["eval_k"]
+    out: dict[str, Any] = {"k": k, "m": m}
+    for name, base, reranked in (("prequential", report.retriever, report.reranker_prequential),
+                                 ("heldout", report.retriever_heldout, report.reranker_heldout)):
+        ceiling, before, after = (base.get(f"recall@{k}"), base.get(f"recall@{m}"), reranked.get(f"recall@{m}"))
+        usable = None not in (ceiling, before, after) and not any(map(math.isnan, (ceiling, before, after)))
+        if usable:  # recall@K ≥ recall@M for every question; only float summation could say otherwise
+            ceiling = max(ceiling, before)
+        out[name] = {f"retriever_recall@{k}": ceiling, f"retriever_recall@{m}": before,
+                     f"reranker_recall@{m}": after,
+                     "captured": headroom_captured(after, before, ceiling) if usable and k > m else None}
+    return out
+
+
 def build_report(trainer: OnlineTrainer) -> OnlineReport:
     """Score the held-out questions with the trained reranker(s) and assemble the whole report."""
     cfg, split = trainer.cfg, trainer.split
@@ -107,7 +128,7 @@ def build_report(trainer: OnlineTrainer) -> OnlineReport:
     curve = {name: running_mean([rows[q.id][metric] for q in train_qs if q.category not in separate])
              for name, rows in trainer.rows.items()}
     learners = {k: asdict(learner.stats) for k, learner in trainer.learners.items()}
-    return OnlineReport(
+    report = OnlineReport(
         retriever=summary(trainer.rows["retriever"], train_qs),
         reranker_prequential=summary(trainer.rows["reranker"], train_qs),
         retriever_heldout=summary(held["retriever"], split.heldout),
@@ -119,6 +140,8 @@ def build_report(trainer: OnlineTrainer) -> OnlineReport:
         headline_questions=headline_questions(trainer.dataset), generation=_generation(trainer),
         staleness=_staleness(trainer), dropped_questions=len(split.dropped),
     )
+    report.headroom = headroom(report)
+    return report
 
 
 def _citer_label(trainer: OnlineTrainer) -> str:

@@ -41,6 +41,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--granularity", nargs="+", choices=("turn", "session", "topic"), default=["turn"],
                    help="memory units; topic = built by prospective reflection (several: one comparison table)")
     p.add_argument("--k", type=positive_int, nargs="+", default=[5, 10], help="cut-offs K of Recall@K")
+    p.add_argument("--depth", type=positive_int, default=20,
+                   help="candidates a reranker reorders (rmm train --k): their recall@DEPTH, the ceiling of any "
+                        "reranker of them, is reported beside the cut-offs")
     p.add_argument("--index", type=index_backend, default="torch", help="torch | faiss-flat | faiss-ivf | faiss-hnsw")
     p.add_argument("--llm", help="LLM spec for topic extraction (default: the labelled non-LLM fallback)")
     p.add_argument("--merge-threshold", type=cosine, default=0.8,
@@ -72,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             topic_source = f"PR: {llm.name}" if llm else "PR: fallback topics"
             label = name if granularity != "topic" else f"{name} ({topic_source})"
-            report = evaluate(dataset, opened.retriever, granularity, args.k, retriever_name=label)
+            report = evaluate(dataset, opened.retriever, granularity, args.k, retriever_name=label,
+                              ceiling=args.depth)
             log.info("evaluated %s/%s in %.1fs", name, granularity, time.perf_counter() - t0)
             reports[f"{name}/{granularity}"] = report
             if len(args.granularity) == 1:
@@ -104,7 +108,7 @@ def report_figures(report: Any) -> Figures:
     """One retriever at one granularity: every metric at every K, per category."""
     metrics = [(f"{m}@{k}", f"{SHORT[m]}@{k}") for k in report.ks for m in SHORT]
     figures = Figures(title=f"{report.dataset} · {report.retriever} · {report.granularity} granularity (%)",
-                      caption="R = fractional recall, any / all = recall_any / recall_all",
+                      caption="R = fractional recall, any / all = recall_any / recall_all" + ceiling_note([report]),
                       columns=["category", "n", *(short for _, short in metrics)])
 
     def cells(cat: str | None) -> list[str]:
@@ -115,6 +119,19 @@ def report_figures(report: Any) -> Figures:
     return figures
 
 
+def ceiling_note(reports: list[Any]) -> str:
+    """The headline recall@K of the top-K candidates — the ceiling of a reranker of them — for the
+    caption (a column would push the usual table past 80 columns; `--json` has it per category)."""
+    first = reports[0]
+    if getattr(first, "ceiling", None) is None:
+        return ""
+    values = [r.ceiling_recall() for r in reports]
+    shown = " / ".join(fmt(v) for v in values)
+    which = "" if len(reports) == 1 else " (" + " / ".join(r.granularity for r in reports) + ")"
+    return (f". Ceiling R@{first.ceiling}{which}: {shown} — the top {first.ceiling} candidates' recall, "
+            "the most a reranker of them can reach")
+
+
 def granularity_figures(reports: list[Any], retriever: str) -> Figures:
     """One table, granularities side by side (the paper's Fig. 4 comparison)."""
     first = reports[0]
@@ -122,7 +139,8 @@ def granularity_figures(reports: list[Any], retriever: str) -> Figures:
     topic_by = next((f" · topic memories by {escape(r.retriever)}" for r in reports if r.granularity == "topic"), "")
     figures = Figures(title=f"{first.dataset} · {retriever} · memory granularity (%)",
                       caption="R = fractional recall. turn and topic are scored on gold turns (topic through its "
-                              "refs), session on gold sessions. topic = prospective reflection" + topic_by,
+                              "refs), session on gold sessions. topic = prospective reflection" + topic_by
+                              + ceiling_note(reports),
                       columns=["category", "n", *(f"{r.granularity} {short}" for r in reports for _, short in metrics)])
 
     def cells(cat: str | None) -> list[str]:

@@ -32,7 +32,7 @@ from rmm.cli.common import (
     write_json,
 )
 from rmm.cli.settings import PRECEDENCE, add_config_options
-from rmm.cli.tables import Figures, print_figures
+from rmm.cli.tables import Figures, headroom_cell, print_figures
 from rmm.errors import RmmError
 
 CREDIT_FORMS = ("per-pick", "reward-to-go", "sequence")  # rmm.policy.credit.CREDITS (not imported: --help stays light)
@@ -77,6 +77,9 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-is", action="store_true",
                    help="no importance correction of stale rewards (default: weight by min(clip, π/μ))")
     p.add_argument("--is-clip", type=positive_float, help="truncation of the importance ratio π/μ (default 1)")
+    p.add_argument("--no-lexical-feature", dest="lexical_feature", action="store_false",
+                   help="plain Eq. 1: no learned weight for a hybrid retriever's fused score (our extension; "
+                        "it acts only on --retriever hybrid[:DENSE] candidates)")
     p.add_argument("--delay", type=non_negative_int, default=0,
                    help="deliver each reward only after this many further learner updates (staleness study)")
     p.add_argument("--heldout", type=open_fraction, default=0.3,
@@ -185,6 +188,7 @@ def _online_config(args: argparse.Namespace, normalized_encoder: bool) -> Any:
     return OnlineConfig(k=args.k, m=args.m, epochs=args.epochs, per_user=args.per_user, heldout_fraction=args.heldout,
                         seed=args.seed, citer=args.citer, precision=args.precision, recall=args.recall,
                         importance=not args.no_is, delay=args.delay, structured=args.structured,
+                        lexical_feature=args.lexical_feature,
                         concurrency=args.concurrency, llm_batch=args.llm_batch, max_tokens=args.max_tokens, **values)
 
 
@@ -204,14 +208,25 @@ def _wandb(args: argparse.Namespace, cfg: Any) -> Any | None:
 
 
 def train_figures(report: Any, retriever: str) -> Figures:
-    """Each headline metric for the retriever alone, with the reranker, and the lift in points."""
+    """Each headline metric for the retriever alone, with the reranker, and the lift in points; after
+    each stream's rows its ceiling (recall@K of the K candidates, which reordering cannot change)
+    and the share of the headroom up to it that the reranker captured."""
     from rmm.training.online import headline
+    from rmm.training.online_report import headroom
 
     figures = Figures(title=f"Online reranker on {escape(retriever)} — citations: {escape(report.citer)} — "
                             f"{escape(report.headline_questions)} (%)",
                       columns=["metric", "retriever alone", "+ reranker", "lift (points)"])
+    room = report.headroom or headroom(report)
+    k, m = room["k"], room["m"]
     for name, before, after in headline(report):
         figures.add_row(name, fmt(before), fmt(after), f"{100 * (after - before):+.1f}")
+        stream = {f"prequential ndcg@{m}": "prequential", f"held-out ndcg@{m}": "heldout"}.get(name)
+        if stream and k is not None and room[stream][f"retriever_recall@{k}"] is not None:
+            label = stream.replace("heldout", "held-out")
+            ceiling = room[stream][f"retriever_recall@{k}"]
+            figures.add_row(f"{label} recall@{k} = ceiling", fmt(ceiling), fmt(ceiling), "")
+            figures.add_row(f"{label} headroom captured", "", headroom_cell(room[stream]["captured"]), "")
     return figures
 
 

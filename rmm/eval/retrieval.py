@@ -78,6 +78,11 @@ class RetrievalReport:
     by_category: dict[str, dict[str, float | str | int]]
     separate: dict[str, dict[str, float | str | int]] = field(default_factory=dict)
     skipped: int = 0
+    ceiling: int | None = None  # K of the candidate set a reranker reorders; recall@K is in every row
+
+    def ceiling_recall(self) -> float | None:
+        """Headline recall@K of the top-K candidates: the most any reordering of them can reach."""
+        return None if self.ceiling is None else self.overall.get(f"recall@{self.ceiling}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -104,10 +109,13 @@ def summarize(dataset: Dataset, rows: dict[str, dict[str, float]], questions: Se
 
 def evaluate(dataset: Dataset, retriever: Retriever, granularity: str, ks: Sequence[int] = (5, 10), *,
              retriever_name: str = "", batch_size: int = 256, progress: bool = True,
-             rank: Callable[[list[Candidates]], list[list[str]]] | None = None) -> RetrievalReport:
+             rank: Callable[[list[Candidates]], list[list[str]]] | None = None,
+             ceiling: int | None = None) -> RetrievalReport:
     """Search every scorable question in its user's bank and score the top max(ks).
 
     `rank` may reorder each query's candidates (e.g. a reranker); by default the retriever's order.
+    `ceiling` K also scores recall@K (and the other metrics at K): the ceiling of a reranker of the
+    top K, reported beside the cut-offs `ks`.
     """
     scorer = GoldScorer.for_dataset(dataset, granularity)
     questions = scorable(dataset.questions, scorer)
@@ -119,7 +127,8 @@ def evaluate(dataset: Dataset, retriever: Retriever, granularity: str, ks: Seque
         by_user[q.user_id].append(q)
     rows: dict[str, dict[str, float]] = {}
     refs_cache: dict[tuple[str, str], list[str]] = {}
-    depth = max(ks)
+    scored = sorted(set(ks) | ({ceiling} if ceiling else set()))
+    depth = max(scored)
     bar = tqdm(total=len(questions), desc=f"eval {retriever_name or 'retriever'} ({granularity})",
                disable=not progress, unit="q")
     for user, qs in by_user.items():
@@ -131,11 +140,11 @@ def evaluate(dataset: Dataset, retriever: Retriever, granularity: str, ks: Seque
             if missing:
                 refs_cache.update({(user, m.id): m.refs for m in _get_memories(retriever, user, missing)})
             for q, ids in zip(chunk, ranked_ids):
-                rows[q.id] = scorer.score([refs_cache[(user, m)] for m in ids[:depth]], q, ks)
+                rows[q.id] = scorer.score([refs_cache[(user, m)] for m in ids[:depth]], q, scored)
             bar.update(len(chunk))
     bar.close()
     return summarize(dataset, rows, questions, retriever=retriever_name, granularity=granularity,
-                     ks=list(ks), skipped=skipped)
+                     ks=list(ks), skipped=skipped, ceiling=ceiling)
 
 
 def _get_memories(retriever: Retriever, user: str, ids: list[str]) -> list[Memory]:

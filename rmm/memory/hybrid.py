@@ -17,6 +17,11 @@ Every candidate carries its bank embedding (the dense bank is asked for the vect
 only BM25 found), and the query embedding is the encoder's, so the reranker rescores hybrid
 candidates exactly as it rescores dense ones. The BM25 index is built over the bank's own store,
 so both halves always see the same memories.
+
+Every candidate also carries its fused score scaled to [0, 1] (`Candidates.lexical`: RRF divided
+by its largest possible value, 2 / (rrf_k + 1), so 1 = first in both lists; the convex mix is in
+[0, 1] already), for the reranker's learned lexical feature (`rmm.policy.reranker`). The scale is
+fixed, not per list, so the same memory at the same ranks has the same feature whatever K is.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from rmm.memory.storage import MemoryStorage
 from rmm.types import Candidates, Memory
 
 __all__ = ["FUSIONS", "HybridRetriever", "convex_fuse", "rrf_fuse"]
+
+_LISTS = 2  # fused rankings: dense and BM25
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +127,24 @@ class HybridRetriever:
     def embeddings(self, user: str, ids: list[str]) -> torch.Tensor:
         return self.bank.embeddings(user, ids)
 
+    def search_embeddings(self, query_embs: torch.Tensor, user: str, k: int,
+                          queries: list[str] | None = None) -> list[Candidates]:
+        """The dense half searched with given vectors (e.g. the reranker's learned `q @ A`), fused
+        with BM25 over `queries`' text as `search` does; dense only when no text is given."""
+        self._check_k(k)
+        if queries is None:
+            return self.bank.search_embeddings(query_embs, user, k)
+        depth = max(k, self.depth)
+        dense = self.bank.search_embeddings(query_embs, user, depth, queries=queries)
+        lexical = self.lexical.search(list(queries), user, depth)
+        return [self._fuse(d, b, k, user) for d, b in zip(dense, lexical)]
+
     # -- search ---------------------------------------------------------------------------------
     def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
         """Each query's top-k by fused score, with bank embeddings; `retriever_scores` = fused scores."""
         if isinstance(queries, str):
             raise TypeError("queries must be a list of strings (got one string)")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive integer, got {k!r}")
+        self._check_k(k)
         queries = list(queries)
         if not queries:
             return []
@@ -134,6 +152,15 @@ class HybridRetriever:
         dense = self.bank.search(queries, user, depth)
         lexical = self.lexical.search(queries, user, depth)
         return [self._fuse(d, b, k, user) for d, b in zip(dense, lexical)]
+
+    @staticmethod
+    def _check_k(k: int) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+
+    def feature_scale(self) -> float:
+        """What divides a fused score into the [0, 1] lexical feature: its largest possible value."""
+        return _LISTS / (self.rrf_k + 1.0) if self.fusion == "rrf" else 1.0
 
     def fused_scores(self, dense: Candidates, lexical: Candidates) -> dict[str, float]:
         """id → fused score over the union of both lists (the fusion rule alone, for tests and tuning)."""
@@ -150,13 +177,15 @@ class HybridRetriever:
         far = len(dense.memory_ids) + len(lexical.memory_ids)
         order = sorted(fused, key=lambda m: (-fused[m], dense_rank.get(m, far), lexical_rank.get(m, far)))[:k]
         embeddings = self._embeddings(dense, order, user)
+        scores = torch.tensor([fused[m] for m in order], dtype=torch.float32)
         return Candidates(
             query=dense.query,
             memory_ids=order,
-            retriever_scores=torch.tensor([fused[m] for m in order], dtype=torch.float32),
+            retriever_scores=scores,
             embeddings=embeddings,
             query_embedding=dense.query_embedding,
             user_id=user,
+            lexical=(scores / self.feature_scale()).clamp(0.0, 1.0),
         )
 
     def _embeddings(self, dense: Candidates, order: list[str], user: str) -> torch.Tensor:

@@ -10,7 +10,9 @@ A checkpoint is a folder —
 
 Format 2 added to each buffered record the τ, behaviour log-probability μ, weights version and
 mask it was sampled with (the off-policy correction needs them) and to the config the credit and
-importance options; format 1 is still read, and `Learner.load` upgrades it.
+importance options; format 3 the config's `lexical_feature` (our extension of Eq. 1: the weights
+then hold `lexical_weight`; a checkpoint without the key is a plain Eq. 1 reranker). Formats 1 and
+2 are still read, and `Learner.load` upgrades them.
 
 It is written to a temporary sibling and swapped in with two renames: a crash mid-write never
 leaves a half-written folder where the old one was, and a crash between the renames leaves the
@@ -54,8 +56,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: buffered records carry τ, μ, weights version, mask; config credit/importance
-READABLE_VERSIONS = (1, 2)  # older ones the learner upgrades on load
+FORMAT_VERSION = 3  # 2: records carry τ, μ, version, mask; config credit/importance. 3: lexical_feature
+READABLE_VERSIONS = (1, 2, 3)  # older ones the learner upgrades on load
 KIND = "rmm-reranker"
 WEIGHTS, TRAINING, META = "reranker.safetensors", "optimizer.pt", "meta.json"
 _REQUIRED_META = ("dim", "encoder_name", "config", "stats")

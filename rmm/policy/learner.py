@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,12 @@ class Learner:
         device: str | torch.device = "cpu",
     ) -> None:
         self.config = config if config is not None else LearnerConfig()
+        if reranker.lexical_feature != self.config.lexical_feature:
+            # The reranker's parameters decide (a checkpoint records them through the config);
+            # `config.lexical_feature` says what a registry builds for a new key.
+            log.debug("reranker %s the lexical weight; learner config follows it",
+                      "has" if reranker.lexical_feature else "lacks")
+            self.config = replace(self.config, lexical_feature=reranker.lexical_feature)
         self.device = resolve_device(device)
         self.reranker = reranker.to(self.device)
         self.encoder_name = encoder_name
@@ -226,7 +232,7 @@ class Learner:
             return (self.reranker.W_q.weight.sum() + self.reranker.W_m.weight.sum()) * 0.0
         paper = self.config.estimator == "paper"
         t = stack_rewarded(batch, paper).to(self.device)
-        scores = self.reranker.policy_scores(t.queries, t.memories)
+        scores = self.reranker.policy_scores(t.queries, t.memories, t.lexical)
         logits = scores / t.taus.unsqueeze(-1)  # each selection at the τ it was sampled at
         pl_logp = plackett_luce_logp(logits, t.chosen, 1.0, t.mask)
         if paper:
@@ -315,20 +321,24 @@ class Learner:
         encoder_name: str | None = None,
         dim: int | None = None,
         device: str | torch.device = "cpu",
+        lexical_feature: bool | None = None,
     ) -> Learner:
-        """Resume from `save`'s folder; refuses another encoder or dimension than expected.
+        """Resume from `save`'s folder; refuses another encoder or dimension than expected, and
+        (when `lexical_feature` is given) a checkpoint that states the other lexical-feature setting.
 
         A format-1 checkpoint is upgraded on load: its config and stats take the new fields'
         defaults, and its buffered records — saved without τ or μ — are taken as sampled at the
         learner's τ by the weights just loaded (ρ = 1 at the next update, which is what version 1
-        did with them).
+        did with them). A checkpoint from before the lexical feature (no `lexical_feature` in its
+        config) is a plain Eq. 1 reranker and loads as one, whatever is expected.
         """
         saved = read_checkpoint(path, encoder_name=encoder_name, dim=dim)
         meta = saved.meta
+        saved_lexical = _saved_lexical_feature(saved.folder, meta, lexical_feature)
         try:
-            config = LearnerConfig(**{f.name: meta["config"][f.name] for f in fields(LearnerConfig)
-                                      if f.name in meta["config"]})
-            reranker = ResidualLinearReranker(int(meta["dim"]))
+            config = LearnerConfig(**{**{f.name: meta["config"][f.name] for f in fields(LearnerConfig)
+                                         if f.name in meta["config"]}, "lexical_feature": saved_lexical})
+            reranker = ResidualLinearReranker(int(meta["dim"]), lexical_feature=saved_lexical)
             reranker.load_state_dict(saved.weights)
             learner = cls(reranker, config, encoder_name=meta["encoder_name"], device=device)
             learner.optimizer.load_state_dict(saved.training["optimizer"])
@@ -354,6 +364,22 @@ class Learner:
             mu = plackett_luce_logp(scores, chosen[None].to(self.device), tau)[0].cpu()
         return RewardedSelection(query=state["query"], memories=state["memories"], chosen=chosen, rewards=state["rewards"],
                         noise=state.get("noise"), tau=tau, behaviour_logp=mu)
+
+
+def _saved_lexical_feature(folder: Path, meta: dict[str, Any], expected: bool | None) -> bool:
+    """The lexical-feature setting a checkpoint was trained with; a clear error when it states the
+    other one than `expected`. Checkpoints older than the feature have none: plain Eq. 1."""
+    stated = meta["config"].get("lexical_feature")
+    if stated is None:
+        if expected:
+            log.warning("reranker checkpoint %s predates the lexical feature; loading it without one", folder)
+        return False
+    if expected is not None and bool(stated) != expected:
+        trained, asked = ("with", "without") if stated else ("without", "with")
+        raise CheckpointError(f"reranker checkpoint {folder} was trained {trained} the lexical feature, but this "
+                              f"run asks for a reranker {asked} it; match the setting (--no-lexical-feature / "
+                              "lexical_feature) or use another checkpoint folder")
+    return bool(stated)
 
 
 def _make_optimizer(config: LearnerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -26,7 +26,9 @@ class LearnerConfig:
     the ratio untruncated; `is_normalize` divides the batch's ratios by their mean — weighted
     importance sampling: biased for small batches, but a batch of very stale selections no longer
     shrinks the step). `tau` is what `Learner.select` samples with; a selection that recorded
-    its own τ is learned at that τ, so sampling and log π never use two different values."""
+    its own τ is learned at that τ, so sampling and log π never use two different values.
+    `lexical_feature` adds the learned weight of the hybrid first stage's fused score to Eq. 1
+    (`rmm.policy.reranker`; our extension, a no-op for candidates without the feature)."""
 
     lr: float = 1e-3
     batch_size: int = 4
@@ -39,6 +41,7 @@ class LearnerConfig:
     importance: bool = True
     is_clip: float = 1.0
     is_normalize: bool = False
+    lexical_feature: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -61,6 +64,8 @@ class LearnerConfig:
             raise ValueError(f"importance must be true or false, got {self.importance!r}")
         if type(self.is_normalize) is not bool:
             raise ValueError(f"is_normalize must be true or false, got {self.is_normalize!r}")
+        if type(self.lexical_feature) is not bool:
+            raise ValueError(f"lexical_feature must be true or false, got {self.lexical_feature!r}")
         if isinstance(self.is_clip, bool) or not isinstance(self.is_clip, (int, float)) or not self.is_clip > 0:
             raise ValueError(f"is_clip must be a number > 0 (inf: no truncation), got {self.is_clip!r}")
 

@@ -81,11 +81,12 @@ class LearnerRegistry:
                     learner = self._from_version(key, *stored)
                     self._version[key] = stored[0]
                 elif path is not None and checkpoint_exists(path):
-                    learner = Learner.load(path, encoder_name=self.encoder_name, dim=self.dim, device=self.device)
+                    learner = Learner.load(path, encoder_name=self.encoder_name, dim=self.dim, device=self.device,
+                                          lexical_feature=self.config.lexical_feature)
                     log.info("loaded reranker checkpoint %s (step %d)", path, learner.stats.step)
                 else:
-                    learner = Learner(ResidualLinearReranker(self.dim), self.config, encoder_name=self.encoder_name,
-                                      device=self.device)
+                    reranker = ResidualLinearReranker(self.dim, self.config.lexical_feature)
+                    learner = Learner(reranker, self.config, encoder_name=self.encoder_name, device=self.device)
                 self._learners[key] = learner
                 self._saved[key] = _progress(learner)
                 self._version.setdefault(key, 0)

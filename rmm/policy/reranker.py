@@ -18,6 +18,16 @@ candidates left. The Selection then holds only those candidates (`chosen` re-ind
 the learner recomputes log π from `selection.candidates` alone, so carrying the excluded ones
 (and a mask the learner, its pending buffer and checkpoints would all have to honour) would make
 its normaliser wrong; without them its recomputation is the same distribution the sample came from.
+
+Lexical feature (our extension of Eq. 1, not in the paper): with `lexical_feature=True` the score
+is `s_i = q'·m'_i + w·f_i`, `f_i` the hybrid first stage's fused score of candidate i scaled to
+[0, 1] (`Candidates.lexical`, `rmm.memory.hybrid`) and `w` one learned scalar. Eq. 1 can only
+reorder by the encoder's geometry, so over hybrid candidates an untrained reranker ranks BM25's
+finds by cosine and throws the fusion away; `w` lets it learn how much the first stage's own
+evidence counts. It starts at `LEXICAL_INIT` (chosen on LoCoMo's training conversations,
+docs/results.md). A candidate list without the feature (dense retriever, whole-bank search) gets
+f = 0, a constant that changes no order and no probability, so the same reranker serves both.
+Sampling folds the term into the dispatched kernel as one more dimension (`[q A, w]·[m, f]`).
 """
 
 from __future__ import annotations
@@ -32,9 +42,11 @@ from rmm.errors import DimensionMismatchError
 from rmm.kernels.dispatch import rerank
 from rmm.types import Candidates, Selection
 
-__all__ = ["ResidualLinearReranker", "candidate_subset", "stack_candidates"]
+__all__ = ["LEXICAL_INIT", "ResidualLinearReranker", "candidate_subset", "stack_candidates", "stack_lexical"]
 
 log = logging.getLogger(__name__)
+
+LEXICAL_INIT = 0.0  # w at start (module docstring); chosen by rmm train's prequential figures
 
 
 def stack_candidates(
@@ -78,6 +90,21 @@ def stack_candidates(
     return queries, memories, mask
 
 
+def stack_lexical(candidates: Sequence[Candidates], k_max: int, device: torch.device,
+                  dtype: torch.dtype = torch.float32) -> Tensor | None:
+    """`[B, K]` lexical features, 0 at padding and for lists without any; None when no list has one."""
+    if all(c.lexical is None for c in candidates):
+        return None
+    out = torch.zeros(len(candidates), k_max, device=device, dtype=dtype)
+    for i, c in enumerate(candidates):
+        if c.lexical is None:
+            continue
+        if c.lexical.numel() != len(c):
+            raise ValueError(f"candidates[{i}].lexical has {c.lexical.numel()} entries for {len(c)} candidates")
+        out[i, : len(c)] = c.lexical.reshape(-1).to(device, dtype)
+    return out
+
+
 def candidate_subset(candidates: Candidates, positions: Sequence[int]) -> Candidates:
     """The candidates at `positions`, in that order (embeddings, scores and ids alike)."""
     index = torch.as_tensor(list(positions), dtype=torch.long)
@@ -88,6 +115,7 @@ def candidate_subset(candidates: Candidates, positions: Sequence[int]) -> Candid
         embeddings=None if candidates.embeddings is None else candidates.embeddings[index],
         query_embedding=candidates.query_embedding,
         user_id=candidates.user_id,
+        lexical=None if candidates.lexical is None else candidates.lexical[index],
     )
 
 
@@ -110,9 +138,10 @@ def _allowed(candidates: Sequence[Candidates], padding: Tensor,
 
 
 class ResidualLinearReranker(nn.Module):
-    """Eq. 1 with zero-initialised `W_q`, `W_m` (no bias: a bias would shift every score alike)."""
+    """Eq. 1 with zero-initialised `W_q`, `W_m` (no bias: a bias would shift every score alike),
+    plus the learned lexical weight `w` when `lexical_feature` (module docstring)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, lexical_feature: bool = False, lexical_init: float | None = None) -> None:
         super().__init__()
         if dim <= 0:
             raise ValueError(f"dim must be positive, got {dim}")
@@ -121,20 +150,39 @@ class ResidualLinearReranker(nn.Module):
         self.W_m = nn.Linear(dim, dim, bias=False)
         nn.init.zeros_(self.W_q.weight)
         nn.init.zeros_(self.W_m.weight)
+        self.lexical_weight: nn.Parameter | None
+        if lexical_feature:
+            init = LEXICAL_INIT if lexical_init is None else float(lexical_init)
+            self.lexical_weight = nn.Parameter(torch.tensor(init))
+        else:  # no parameter at all: the state dict (and a checkpoint) stays Eq. 1's
+            self.register_parameter("lexical_weight", None)
         self._folded: tuple[tuple, Tensor] | None = None
         self._served: tuple[tuple | None, int] = (None, 0)  # query rows served per weight version
         # The weights version stamped on every Selection: the learner that owns this reranker sets it
         # to its optimizer step count after each step, so a delayed reward knows how stale it is.
         self.version = 0
 
+    @property
+    def lexical_feature(self) -> bool:
+        """Whether this reranker learns the lexical weight `w` (our extension of Eq. 1)."""
+        return self.lexical_weight is not None
+
+    def _plus_lexical(self, scores: Tensor, lexical: Tensor | None) -> Tensor:
+        """`scores + w·f` with the feature on and given; `scores` unchanged otherwise."""
+        if self.lexical_weight is None or lexical is None:
+            return scores
+        if lexical.shape != scores.shape:
+            raise ValueError(f"lexical features of shape {tuple(lexical.shape)} for scores {tuple(scores.shape)}")
+        return scores + self.lexical_weight.to(scores.dtype) * lexical.to(scores.device, scores.dtype)
+
     # ---- training path -------------------------------------------------------------------
-    def forward(self, queries: Tensor, memories: Tensor) -> Tensor:
-        """Scores `[B, K]` in the plain Eq. 1 form (autograd flows to `W_q`, `W_m`)."""
+    def forward(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None) -> Tensor:
+        """Scores `[B, K]` in the plain Eq. 1 form (autograd flows to `W_q`, `W_m` and `w`)."""
         q = queries + self.W_q(queries)
         m = memories + self.W_m(memories)
-        return (m @ q.unsqueeze(-1)).squeeze(-1)
+        return self._plus_lexical((m @ q.unsqueeze(-1)).squeeze(-1), lexical)
 
-    def policy_scores(self, queries: Tensor, memories: Tensor) -> Tensor:
+    def policy_scores(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None) -> Tensor:
         """Same scores and gradients as `forward`, computed query-side (what the learner uses).
 
         `m'·q' = (m + m W_mᵀ)·q' = m·(q' + q' W_m)`: the memory transform moves onto the one
@@ -142,7 +190,7 @@ class ResidualLinearReranker(nn.Module):
         """
         q = queries + self.W_q(queries)
         u = q + q @ self.W_m.weight
-        return (memories @ u.unsqueeze(-1)).squeeze(-1)
+        return self._plus_lexical((memories @ u.unsqueeze(-1)).squeeze(-1), lexical)
 
     # ---- inference path ------------------------------------------------------------------
     def query_matrix(self) -> Tensor:
@@ -185,11 +233,11 @@ class ResidualLinearReranker(nn.Module):
             transformed = queries + queries @ wq.T
             return transformed + transformed @ wm
 
-    def fast_scores(self, queries: Tensor, memories: Tensor) -> Tensor:
+    def fast_scores(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None) -> Tensor:
         """Scores `[B, K]` through the folded query (no gradients); equal to `forward`."""
         transformed = self.transform_queries(queries)
         with torch.no_grad():
-            return (memories @ transformed.unsqueeze(-1)).squeeze(-1)
+            return self._plus_lexical((memories @ transformed.unsqueeze(-1)).squeeze(-1), lexical)
 
     @torch.no_grad()
     def select(
@@ -223,8 +271,9 @@ class ResidualLinearReranker(nn.Module):
         counts = allowed.sum(-1).tolist()
         k_max = memories.shape[1]
         m_batch = min(m, max(counts, default=0))
+        lexical = None if self.lexical_weight is None else stack_lexical(candidates, k_max, weight.device, weight.dtype)
         if k_max == 0 or m_batch == 0:  # nothing to pick from, or nothing asked for
-            scores = self.fast_scores(queries, memories).cpu() if k_max else torch.zeros(len(candidates), 0)
+            scores = self.fast_scores(queries, memories, lexical).cpu() if k_max else torch.zeros(len(candidates), 0)
             chosen = torch.zeros(len(candidates), 0, dtype=torch.long)
             noise = torch.zeros_like(scores) if explore else None
             logp = torch.zeros(len(candidates), 0) if explore else None
@@ -233,9 +282,14 @@ class ResidualLinearReranker(nn.Module):
             # the torch reference elsewhere (on CPU the same draws from `generator` as
             # rmm.policy.sampling). The padded [B, K, d] block serves as the bank; padding ids are -1,
             # so short rows' surplus picks come back -1 and are cut off below.
-            bank = memories.reshape(-1, self.dim)
+            transformed = self.transform_queries(queries)
+            if lexical is not None:  # w·f as one more dimension: [q A, w]·[m, f]
+                w = self.lexical_weight.detach().to(transformed.dtype).expand(transformed.shape[0], 1)
+                transformed = torch.cat([transformed, w], -1)
+                memories = torch.cat([memories, lexical.unsqueeze(-1)], -1)
+            bank = memories.reshape(-1, memories.shape[-1])
             slots = torch.arange(bank.shape[0], device=bank.device).view(memories.shape[:2])
-            ranked = rerank(self.transform_queries(queries), bank, slots.masked_fill(~mask, -1), m_batch,
+            ranked = rerank(transformed, bank, slots.masked_fill(~mask, -1), m_batch,
                             tau if explore else 1.0, explore=explore, generator=generator,
                             mask=None if exclude is None else allowed)
             scores, chosen = ranked.scores.cpu(), ranked.indices.cpu()

@@ -3,7 +3,8 @@
 `scope="topk"` reranks the retriever's top-K (the paper); `scope="bank"` first searches the whole
 bank with the reranker's folded query `q @ A` — for a dot-product retriever that is exactly the
 reranker's ordering over every memory, so a memory the base retriever ranked below K can still
-surface once the reranker has learned to want it.
+surface once the reranker has learned to want it. (A hybrid first stage fuses that search with
+BM25, `rmm.memory.hybrid`; candidates carry their lexical feature either way.)
 
 `select(..., exclude=)` reranks the top-K of the memories *not* excluded (MemR³'s
 `Retrieve(q, M \\ M^ret)`): it fetches K + |excluded| so that K unseen candidates remain, keeps the
@@ -75,7 +76,8 @@ class RerankedRetriever:
             if len(c) == 0:
                 out.append(c)
                 continue
-            order = self.reranker.fast_scores(c.query_embedding[None], c.embeddings[None])[0]
+            lexical = None if c.lexical is None else c.lexical[None]
+            order = self.reranker.fast_scores(c.query_embedding[None], c.embeddings[None], lexical)[0]
             idx = torch.argsort(order, descending=True)[:k]
             ranked = candidate_subset(c, idx.tolist())
             ranked.retriever_scores = order[idx]

@@ -23,7 +23,7 @@ from rmm.types import Selection
 __all__ = ["RewardedBatch", "RewardedSelection", "behaviour_logp", "rewarded", "stack_rewarded"]
 
 _STATE_FIELDS = ("query", "memories", "chosen", "rewards", "tau", "behaviour_logp")
-_OPTIONAL_FIELDS = ("noise", "version", "mask")
+_OPTIONAL_FIELDS = ("noise", "version", "mask", "lexical")
 
 
 @dataclass
@@ -40,6 +40,7 @@ class RewardedSelection:
     behaviour_logp: Tensor  # [M] log μ of each pick
     version: int | None = None
     mask: Tensor | None = None  # [K] bool, True = could be picked
+    lexical: Tensor | None = None  # [K] the candidates' lexical feature as scored (None: none)
 
     def to_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {k: getattr(self, k) for k in _STATE_FIELDS}
@@ -67,10 +68,11 @@ class RewardedBatch:
     mask: Tensor | None  # [B, K] True = could be picked; None = every candidate
     pick_valid: Tensor | None  # [B, M] False at padding picks; None = no padding
     noise: Tensor | None  # [B, K] for the paper estimator
+    lexical: Tensor | None = None  # [B, K] lexical features, 0 at padding; None = no record has any
 
     def to(self, device: torch.device) -> RewardedBatch:
         parts = (self.queries, self.memories, self.chosen, self.rewards, self.taus, self.behaviour_logp,
-                 self.mask, self.pick_valid, self.noise)
+                 self.mask, self.pick_valid, self.noise, self.lexical)
         return RewardedBatch(*(None if t is None else t.to(device) for t in parts))
 
 
@@ -103,6 +105,9 @@ def rewarded(selection: Selection, rewards: Tensor, dim: int, tau: float) -> Rew
             raise ValueError(f"selection.chosen {selection.chosen} picks a masked-out candidate")
     chosen = torch.tensor(selection.chosen, dtype=torch.long)
     noise = None if selection.noise is None else selection.noise.detach().float().reshape(-1).cpu()
+    lexical = None if c.lexical is None else c.lexical.detach().float().reshape(-1).cpu()
+    if lexical is not None and lexical.numel() != k:
+        raise ValueError(f"the candidates' lexical feature has {lexical.numel()} entries for {k} candidates")
     return RewardedSelection(
         query=c.query_embedding.detach().float().reshape(dim).cpu(),
         memories=c.embeddings.detach().float().reshape(k, dim).cpu(),
@@ -113,6 +118,7 @@ def rewarded(selection: Selection, rewards: Tensor, dim: int, tau: float) -> Rew
         behaviour_logp=behaviour_logp(selection, chosen, tau, mask),
         version=selection.version,
         mask=mask,
+        lexical=lexical,
     )
 
 
@@ -142,6 +148,7 @@ def stack_rewarded(batch: list[RewardedSelection], with_noise: bool) -> Rewarded
     ks = [p.memories.shape[0] for p in batch]
     ms = [p.chosen.numel() for p in batch]
     taus = torch.tensor([p.tau for p in batch], dtype=torch.float32)
+    lexical = _stack_lexical(batch, max(ks))
     if len(set(ks)) == 1 and len(set(ms)) == 1 and all(p.mask is None for p in batch):  # the usual case
         noise = None
         if with_noise:
@@ -149,7 +156,7 @@ def stack_rewarded(batch: list[RewardedSelection], with_noise: bool) -> Rewarded
                                  for p in batch])
         return RewardedBatch(torch.stack([p.query for p in batch]), torch.stack([p.memories for p in batch]),
                       torch.stack([p.chosen for p in batch]), torch.stack([p.rewards for p in batch]), taus,
-                      torch.stack([p.behaviour_logp for p in batch]), None, None, noise)
+                      torch.stack([p.behaviour_logp for p in batch]), None, None, noise, lexical)
     size, dim, k_max, m_max = len(batch), batch[0].query.shape[0], max(ks), max(ms)
     memories = torch.zeros(size, k_max, dim)
     mask = torch.zeros(size, k_max, dtype=torch.bool)
@@ -169,4 +176,16 @@ def stack_rewarded(batch: list[RewardedSelection], with_noise: bool) -> Rewarded
         pick_valid[i, :m] = True
         if noise is not None and p.noise is not None and p.noise.numel() == k:
             noise[i, :k] = p.noise
-    return RewardedBatch(torch.stack([p.query for p in batch]), memories, chosen, rewards, taus, mu, mask, pick_valid, noise)
+    return RewardedBatch(torch.stack([p.query for p in batch]), memories, chosen, rewards, taus, mu, mask, pick_valid,
+                         noise, lexical)
+
+
+def _stack_lexical(batch: list[RewardedSelection], k_max: int) -> Tensor | None:
+    """`[B, K]` lexical features (0 at padding and for records without); None when no record has any."""
+    if all(p.lexical is None for p in batch):
+        return None
+    out = torch.zeros(len(batch), k_max)
+    for i, p in enumerate(batch):
+        if p.lexical is not None:
+            out[i, : p.lexical.numel()] = p.lexical
+    return out

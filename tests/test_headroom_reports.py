@@ -1,0 +1,97 @@
+"""Headroom in every report: `rmm train` and `rmm eval` print recall@K of the candidate set (the
+ceiling a reranker of the top K can reach) beside recall@M, and the share of that headroom a
+reranker captured — in 80 columns, and in the JSON."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+import torch
+from rich.console import Console
+from rmm.training.online import OnlineReport
+from rmm.training.online_report import headroom
+
+from rmm.cli.eval import report_figures
+from rmm.cli.tables import Figures, print_figures
+from rmm.cli.train import train_figures
+from rmm.data.locomo import load_locomo
+from rmm.eval.retrieval import evaluate
+from rmm.memory.store import MemoryStore
+from rmm.types import Candidates, Dataset, Memory
+
+
+def _render(figures: Figures, width: int = 80) -> list[str]:
+    out = io.StringIO()
+    print_figures(figures, Console(file=out, width=width))
+    return out.getvalue().splitlines()
+
+
+def _train_report() -> OnlineReport:
+    base = {"recall@5": 0.30, "recall_any@5": 0.4, "ndcg@5": 0.25, "recall@20": 0.46}
+    preq = {**base, "recall@5": 0.34, "recall@20": 0.46}
+    held_base = {**base, "recall@5": 0.28, "recall@20": 0.48}
+    held = {**held_base, "recall@5": 0.33}
+    report = OnlineReport(base, preq, held_base, held, held, "simulated (precision 0.876, recall 0.858)", "split",
+                          {"eval_k": 5, "k": 20})
+    report.headroom = headroom(report)
+    return report
+
+
+def test_train_report_has_the_ceiling_and_the_headroom_captured() -> None:
+    report = _train_report()
+    room = report.headroom
+    assert room["k"] == 20 and room["m"] == 5
+    assert abs(room["prequential"]["captured"] - 0.25) < 1e-9  # (34 − 30) / (46 − 30)
+    assert abs(room["heldout"]["captured"] - 0.25) < 1e-9  # (33 − 28) / (48 − 28)
+    assert room["heldout"]["retriever_recall@20"] == 0.48 and "headroom" in report.to_json()
+
+    lines = _render(train_figures(report, "hybrid"))
+    text = "\n".join(lines)
+    assert max(map(len, lines)) <= 80 and "…" not in text
+    ceilings = [line for line in lines if "recall@20 = ceiling" in line]
+    assert len(ceilings) == 2 and "46.0" in ceilings[0] and "48.0" in ceilings[1]
+    captured = [line for line in lines if "headroom captured" in line]
+    assert len(captured) == 2 and all(re.search(r"\s25%", line) for line in captured)
+
+
+def test_no_headroom_says_so() -> None:
+    flat = {"recall@5": 0.5, "recall_any@5": 0.5, "ndcg@5": 0.5, "recall@20": 0.5}
+    report = OnlineReport(flat, flat, flat, flat, flat, "simulated", "split", {"eval_k": 5, "k": 20})
+    assert headroom(report)["prequential"]["captured"] is None
+    assert any("n/a (no headroom)" in line for line in _render(train_figures(report, "minilm")))
+
+
+class GoldSeventh:
+    """Ranks six other turns first, then the question's gold: recall@5 0, recall@20 1."""
+
+    def __init__(self, store: MemoryStore, dataset: Dataset) -> None:
+        self.store, self.dataset = store, dataset
+        self.gold = {(q.user_id, q.text): q.evidence_turns for q in dataset.questions}
+
+    def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
+        out = []
+        for q in queries:
+            gold = self.gold[(user, q)]
+            others = [t.id for t in self.dataset.turns(user) if t.id not in gold][:6]
+            ids = (others + gold)[:k]
+            out.append(Candidates(query=q, memory_ids=ids, retriever_scores=torch.zeros(len(ids)), user_id=user))
+        return out
+
+
+def test_eval_reports_the_ceiling_beside_the_cut_offs(tiny_data_dir) -> None:
+    dataset = load_locomo(tiny_data_dir / "locomo" / "locomo10.json")
+    store = MemoryStore(":memory:")
+    for user in dataset.users:
+        store.add([Memory(id=t.id, user_id=user, kind="turn", text=t.text, refs=[t.id]) for t in dataset.turns(user)])
+    report = evaluate(dataset, GoldSeventh(store, dataset), "turn", (5, 10), progress=False, ceiling=20)
+    assert report.ks == [5, 10] and report.ceiling == 20
+    assert report.overall["recall@5"] == 0.0 and report.ceiling_recall() == pytest.approx(1.0)
+    assert all("recall@20" in row for row in report.by_category.values())
+    assert report.to_json()["ceiling"] == 20
+    lines = _render(report_figures(report))
+    assert max(map(len, lines)) <= 80
+    assert "Ceiling R@20: 100.0" in " ".join(line.strip() for line in lines)
+    plain = evaluate(dataset, GoldSeventh(store, dataset), "turn", (5, 10), progress=False)
+    assert plain.ceiling is None and "recall@20" not in plain.overall

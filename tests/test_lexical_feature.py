@@ -1,0 +1,225 @@
+"""The lexical feature (our extension of Eq. 1): `s_i = q'·m'_i + w·f_i` with one learned scalar `w`
+and `f` the hybrid first stage's fused score in [0, 1]. Scored the same on every path, recorded with
+the selection, learned from citations, kept in checkpoints, off with a flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rmm.training.online import OnlineConfig, OnlineTrainer
+
+from rmm.errors import CheckpointError
+from rmm.eval.benchmark_bank import fill
+from rmm.memory.bank import MemoryBank
+from rmm.memory.hybrid import HybridRetriever
+from rmm.policy.learner import Learner, LearnerConfig
+from rmm.policy.registry import LearnerRegistry
+from rmm.policy.reranker import LEXICAL_INIT, ResidualLinearReranker, candidate_subset
+from rmm.policy.retrieve import RerankedRetriever
+from rmm.policy.sampling import plackett_luce_logp
+from rmm.types import Candidates, Dataset, Question, Session, Turn
+
+D, K = 6, 5
+
+
+def random_reranker(lexical: bool, w: float = 0.7, seed: int = 0) -> ResidualLinearReranker:
+    g = torch.Generator().manual_seed(seed)
+    r = ResidualLinearReranker(D, lexical_feature=lexical)
+    with torch.no_grad():
+        r.W_q.weight.copy_(0.3 * torch.randn(D, D, generator=g))
+        r.W_m.weight.copy_(0.3 * torch.randn(D, D, generator=g))
+        if lexical:
+            r.lexical_weight.fill_(w)
+    return r
+
+
+def candidates(seed: int, lexical: bool = True, k: int = K) -> Candidates:
+    g = torch.Generator().manual_seed(seed)
+    return Candidates(f"q{seed}", [f"m{i}" for i in range(k)], torch.zeros(k), torch.randn(k, D, generator=g),
+                      torch.randn(D, generator=g), lexical=torch.rand(k, generator=g) if lexical else None)
+
+
+def test_the_lexical_term_is_one_learned_scalar_times_the_feature() -> None:
+    plain, lexical = random_reranker(False), random_reranker(True, w=0.7)
+    q, m, f = torch.randn(2, D), torch.randn(2, K, D), torch.rand(2, K)
+    base = plain(q, m)
+    for scores in (lexical(q, m, f), lexical.policy_scores(q, m, f), lexical.fast_scores(q, m, f)):
+        assert torch.allclose(scores, base + 0.7 * f, atol=1e-5)
+    assert torch.allclose(lexical(q, m), base, atol=1e-6)  # no feature given: Eq. 1
+    assert torch.allclose(plain(q, m, f), base)  # a reranker without the feature ignores it
+    assert "lexical_weight" not in plain.state_dict() and "lexical_weight" in lexical.state_dict()
+    lexical.policy_scores(q, m, f)[0, 0].backward()
+    assert lexical.lexical_weight.grad == pytest.approx(float(f[0, 0]))
+
+
+def test_sampling_uses_the_same_scores_and_records_the_feature() -> None:
+    reranker = random_reranker(True, w=1.5)
+    cands = [candidates(1), candidates(2, lexical=False), candidates(3, k=3)]
+    greedy = reranker.select(cands, 2)
+    for c, sel in zip(cands, greedy):
+        f = None if c.lexical is None else c.lexical[None]
+        expected = reranker.fast_scores(c.query_embedding[None], c.embeddings[None], f)[0]
+        assert torch.allclose(sel.scores, expected, atol=1e-5)
+        assert sel.chosen == torch.argsort(expected, descending=True)[:2].tolist()
+        assert sel.candidates.lexical is c.lexical  # recorded as scored, for an update any time later
+    sampled = reranker.select(cands, 2, tau=0.3, explore=True, generator=torch.Generator().manual_seed(0))
+    for sel in sampled:
+        expected = plackett_luce_logp(sel.scores[None], torch.tensor([sel.chosen]), 0.3)[0]
+        assert torch.allclose(sel.logp, expected, atol=1e-4)
+    # Exclusion keeps each remaining candidate's feature with it.
+    (kept,) = reranker.select([cands[0]], 2, exclude=[{"m1"}])
+    assert kept.candidates.memory_ids == ["m0", "m2", "m3", "m4"]
+    assert torch.equal(kept.candidates.lexical, cands[0].lexical[[0, 2, 3, 4]])
+
+
+def test_an_untrained_reranker_with_the_feature_at_zero_is_eq1() -> None:
+    assert LEXICAL_INIT == 0.0  # if the chosen start changes, the next assertion does not apply
+    plain, lexical = ResidualLinearReranker(D), ResidualLinearReranker(D, lexical_feature=True)
+    cands = [candidates(s) for s in range(4)]
+    a = plain.select(cands, 3, tau=0.2, explore=True, generator=torch.Generator().manual_seed(5))
+    b = lexical.select(cands, 3, tau=0.2, explore=True, generator=torch.Generator().manual_seed(5))
+    assert [s.chosen for s in a] == [s.chosen for s in b]
+
+
+def test_the_learner_learns_w_from_citations_of_lexically_marked_memories() -> None:
+    """Embeddings say nothing (all candidates alike to the query); only f marks the useful one."""
+    learner = Learner(ResidualLinearReranker(D, lexical_feature=True),
+                      LearnerConfig(lr=0.05, tau=0.5, baseline="mean", lexical_feature=True))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        q = torch.randn(D, generator=g)
+        f = torch.rand(K, generator=g) * 0.5
+        useful = int(torch.randint(K, (1,), generator=g))
+        f[useful] = 1.0
+        cand = Candidates("q", [f"m{i}" for i in range(K)], torch.zeros(K), q.repeat(K, 1) * 0.1, q, lexical=f)
+        (sel,) = learner.select([cand], 1, generator=g)
+        learner.record(sel, torch.tensor([1.0 if sel.chosen[0] == useful else -1.0]))
+    assert float(learner.reranker.lexical_weight.detach()) > 2.0
+
+
+def test_a_learner_follows_its_reranker_and_its_checkpoint_states_the_setting(tmp_path: Path) -> None:
+    plain = Learner(ResidualLinearReranker(D), LearnerConfig(lexical_feature=True))
+    assert plain.config.lexical_feature is False  # what it learns is what its reranker has
+    learner = Learner(ResidualLinearReranker(D, lexical_feature=True), LearnerConfig(lexical_feature=True, tau=0.5))
+    sel = learner.select([candidates(7)], 2, generator=torch.Generator().manual_seed(1))[0]
+    learner.record(sel, torch.tensor([1.0, -1.0]))  # buffered, with its feature
+    with torch.no_grad():
+        learner.reranker.lexical_weight.fill_(0.25)
+    folder = learner.save(tmp_path / "ckpt")
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["config"]["lexical_feature"] is True and meta["format_version"] == 3
+    resumed = Learner.load(folder, lexical_feature=True)
+    assert float(resumed.reranker.lexical_weight.detach()) == 0.25
+    assert torch.equal(resumed._buffer[0].lexical, sel.candidates.lexical.float())
+    with pytest.raises(CheckpointError, match="trained with the lexical feature"):
+        Learner.load(folder, lexical_feature=False)
+
+    # A checkpoint from before the feature (format 2, no lexical_feature) loads as plain Eq. 1.
+    old = Learner(ResidualLinearReranker(D), LearnerConfig()).save(tmp_path / "old")
+    meta = json.loads((old / "meta.json").read_text())
+    del meta["config"]["lexical_feature"]
+    (old / "meta.json").write_text(json.dumps({**meta, "format_version": 2}))
+    loaded = Learner.load(old, lexical_feature=True)
+    assert not loaded.reranker.lexical_feature and loaded.config.lexical_feature is False
+    # A registry asking for the feature builds new learners with it and refuses a checkpoint without it.
+    registry = LearnerRegistry(D, LearnerConfig(lexical_feature=True), root=tmp_path / "reg")
+    assert registry.get("a").reranker.lexical_feature
+    Learner(ResidualLinearReranker(D), LearnerConfig()).save(registry.path("b"))
+    with pytest.raises(CheckpointError, match="without the lexical feature"):
+        registry.get("b")
+
+
+# ---- through the hybrid first stage and rmm train's trainer -----------------------------------------
+class TableEncoder:
+    """Vectors by text, so a test fixes what the dense half can and cannot see."""
+
+    name, fingerprint = "table", "table-v1"
+
+    def __init__(self, table: dict[str, torch.Tensor]) -> None:
+        self.table, self.dim = table, next(iter(table.values())).numel()
+
+    def encode_queries(self, texts: list[str]) -> torch.Tensor:
+        return torch.stack([self.table[t] for t in texts])
+
+    def encode_passages(self, texts: list[str]) -> torch.Tensor:
+        return self.encode_queries([t.split(": ", 1)[-1] for t in texts])
+
+
+def lexical_problem(n_users: int = 4, n_questions: int = 24) -> tuple[Dataset, TableEncoder]:
+    """Each question names a rare keyword that only its gold turn contains; two decoys match the
+    query's embedding better and the gold turn's embedding is no different in kind, so Eq. 1 alone
+    cannot find it — BM25 can, and so can a reranker that learns to trust the fused score."""
+    g = torch.Generator().manual_seed(0)
+    table, sessions, questions = {}, {}, []
+    for u in range(n_users):
+        user = f"u{u}"
+        sessions[user] = []
+        for j in range(n_questions):
+            topic = torch.nn.functional.normalize(torch.randn(12, generator=g), dim=0)
+            query = f"what about zq{u}x{j}"
+            table[query] = topic
+            turns = []
+            for i, scale in enumerate((0.6, 0.7, 0.7)):
+                text = f"note zq{u}x{j} here" if i == 0 else f"decoy {u} {j} {i}"
+                table[text] = topic * scale + 0.005 * torch.randn(12, generator=g)
+                turns.append(Turn(id=f"{user}:D{j}:{i}", session_id=f"{user}:S{j + 1}", speaker="A", text=text))
+            questions.append(Question(id=f"{user}:q{j}", user_id=user, text=query, answer="",
+                                      evidence_turns=[f"{user}:D{j}:0"], evidence_sessions=[f"{user}:S{j + 1}"],
+                                      category=1))
+            sessions[user].append(Session(id=f"{user}:S{j + 1}", user_id=user, turns=turns))
+    return Dataset("synthetic", sessions, questions, {1: "synthetic"}), TableEncoder(table)
+
+
+@pytest.fixture
+def hybrid(tmp_path: Path):
+    dataset, encoder = lexical_problem()
+    bank = MemoryBank(tmp_path / "bank", encoder)
+    fill(bank, dataset, "turn", progress=False)
+    yield dataset, HybridRetriever(bank)
+    bank.close()
+
+
+def test_hybrid_candidates_carry_the_fused_score_scaled_to_one(hybrid) -> None:
+    dataset, retriever = hybrid
+    q = dataset.questions[0]
+    (c,) = retriever.search([q.text], q.user_id, 6)
+    assert c.lexical is not None and c.lexical.shape == (6,)
+    assert torch.allclose(c.lexical, c.retriever_scores / (2 / (retriever.rrf_k + 1)))
+    assert float(c.lexical.max()) <= 1.0 and c.memory_ids[0] == "u0:D0:0"  # found by BM25, fused first
+    sub = candidate_subset(c, [2, 0])
+    assert torch.equal(sub.lexical, c.lexical[[2, 0]])
+    # The whole-bank search (the reranker's learned query) is fused with BM25 the same way.
+    (again,) = retriever.search_embeddings(c.query_embedding[None], q.user_id, 6, queries=[q.text])
+    assert again.memory_ids == c.memory_ids and torch.allclose(again.lexical, c.lexical)
+    (dense_only,) = retriever.search_embeddings(c.query_embedding[None], q.user_id, 6)
+    assert dense_only.lexical is None and dense_only.memory_ids[0] != "u0:D0:0"
+    # RerankedRetriever (agent, goal front end) samples through the hybrid with the feature.
+    reranker = ResidualLinearReranker(retriever.dim, lexical_feature=True)
+    with torch.no_grad():
+        reranker.lexical_weight.fill_(100.0)
+    (sel,) = RerankedRetriever(retriever, reranker, k=6, m=2).select([q.text], q.user_id)
+    assert sel.memory_ids[0] == "u0:D0:0" and sel.candidates.lexical is not None
+
+
+def _train(dataset: Dataset, retriever: HybridRetriever, lexical: bool):
+    cfg = OnlineConfig(tau=0.2, baseline="mean", lr=0.05, k=6, m=2, eval_k=1, heldout_fraction=0.25, epochs=2,
+                       lexical_feature=lexical)
+    return OnlineTrainer(dataset, retriever, cfg, progress=False).run()
+
+
+def test_rmm_train_learns_the_lexical_weight_over_hybrid_candidates(hybrid) -> None:
+    dataset, retriever = hybrid
+    on, off = _train(dataset, retriever, True), _train(dataset, retriever, False)
+    assert off.retriever_heldout["recall@1"] == 1.0  # the fused order has the gold first
+    assert off.reranker_heldout["recall@1"] <= 0.3  # Eq. 1 reorders by embeddings, and they mislead
+    assert on.reranker_heldout["recall@1"] >= 0.9  # w learned: the fused evidence is back
+    assert on.learner["step"] > 0 and on.config["lexical_feature"] and not off.config["lexical_feature"]
+    # The report carries the ceiling and the share of headroom captured.
+    assert on.headroom["k"] == 6 and on.headroom["m"] == 1
+    held = on.headroom["heldout"]
+    assert held["retriever_recall@6"] == 1.0 and held["reranker_recall@1"] == on.reranker_heldout["recall@1"]
+    assert held["captured"] is None  # the retriever already had it all at M: no headroom
+    assert 0.0 <= on.reranker_heldout_whole_bank["recall@1"] <= 1.0  # the whole-bank search runs on a hybrid
