@@ -6,6 +6,7 @@ Two `RetrievalService`s over one bank schema stand for two replicas.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -26,8 +27,13 @@ from rmm.policy.pg_versions import RerankerVersions, learner_to_bytes
 from rmm.policy.registry import LearnerRegistry
 from rmm.policy.reranker import ResidualLinearReranker
 from rmm.serve.config import load_config
-from rmm.serve.errors import SelectionExpiredError, SelectionUsedError, UnknownSelectionError
+from rmm.serve.errors import (
+    SelectionExpiredError,
+    SelectionUsedError,
+    UnknownSelectionError,
+)
 from rmm.serve.feedback import rebuild
+from rmm.serve.learner_lease import learner_holder
 from rmm.serve.pending import PendingSelection, SelectionStore, open_selections
 from rmm.serve.pg_jobs import PgJobQueue
 from rmm.serve.pg_pending import PgSelectionStore, unapplied_feedback
@@ -282,6 +288,8 @@ def test_when_the_learner_goes_another_replica_takes_over_and_learns_what_was_le
         first = retrieve(b, "hiking trails")
         b.feedback("alpha", first.selection_id, cited=[0])  # half a batch: buffered by A, not applied
         wait_for(lambda: a.learner("alpha").pending == 1)
+        with a.db.tx() as cur:
+            assert learner_holder(cur, a.db.where.schema) == os.getpid()  # found through pg_locks
         a.shared_learning.stop()  # the learner's lock connection goes (as when its process dies)
         took = wait_for(lambda: b.shared_learning.is_learner, timeout=5.0)
         assert took < 3.0
@@ -296,4 +304,31 @@ def test_when_the_learner_goes_another_replica_takes_over_and_learns_what_was_le
         assert b.learner("alpha").stats.step == 1 and b.shared_learning.stats.versions_written == 1
     finally:
         b.close()
+        a.close()
+
+
+def test_a_row_the_learner_cannot_use_is_set_aside_and_the_rest_is_learned(tmp_path: Path, url: str) -> None:
+    a = make_replica(tmp_path, url, "a")
+    try:
+        wait_for(lambda: a.shared_learning.is_learner)
+        a.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
+        bad = pending("bad")
+        bad.tau, bad.reranker_key = -1.0, "alpha"  # a learner refuses tau <= 0
+        bad.query_embedding, bad.embeddings = torch.zeros(a.bank.dim), torch.zeros(4, a.bank.dim)
+        a.selections.put_many([bad])
+        a.selections.claim("alpha", "bad", lambda s: {"rewards": [1.0, -1.0]})
+        for query in ("hiking trails", "sourdough bread"):
+            result = retrieve(a, query)
+            a.feedback("alpha", result.selection_id, cited=[0])
+
+        def settled() -> bool:
+            with a.db.tx() as cur:
+                return cur.execute("SELECT count(*) FROM feedback WHERE learn AND applied_version IS NULL"
+                                   ).fetchone()[0] == 0
+
+        wait_for(settled)
+        assert a.learner("alpha").stats.step == 1 and a.shared_learning.is_learner  # kept the lock, kept learning
+        with a.db.tx() as cur:
+            assert cur.execute("SELECT learn FROM feedback WHERE selection_id = 'bad'").fetchone()[0] is False
+    finally:
         a.close()

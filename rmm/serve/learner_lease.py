@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -36,12 +37,12 @@ from rmm.memory.pg_database import PgDatabase
 from rmm.policy.pg_versions import RerankerVersions, learner_to_bytes
 from rmm.policy.registry import LearnerRegistry
 from rmm.serve.feedback import rebuild
-from rmm.serve.pg_pending import mark_applied, unapplied_feedback
+from rmm.serve.pg_pending import mark_applied, skip_unlearnable, unapplied_feedback
 
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["LeaseStats", "SharedLearning", "learner_lock_key"]
+__all__ = ["APPLICATION_NAME", "LeaseStats", "SharedLearning", "learner_holder", "learner_lock_key"]
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,26 @@ APPLY_EVERY_S = 0.2  # how often the learner looks for new feedback
 # Keepalives on the lock's connection: a learner host that vanishes without closing its socket
 # releases the lock within ~idle + interval x count seconds instead of the OS default (hours).
 _KEEPALIVE = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
+APPLICATION_NAME = "rmm-learner"  # the lock connection's application_name is "rmm-learner:<pid>" (pg_stat_activity)
 
 
 def learner_lock_key(schema: str) -> int:
     """The advisory lock key of a bank's learner (signed 64-bit, from the schema name)."""
     digest = hashlib.sha256(f"rmm-learner:{schema}".encode()).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def learner_holder(cur: psycopg.Cursor[Any], schema: str) -> int | None:
+    """The OS process id of the replica holding `schema`'s learner lock (None: nobody), read from
+    PostgreSQL's lock table — what operators and the chaos test ask to find the learner."""
+    key = learner_lock_key(schema) & 0xFFFFFFFFFFFFFFFF
+    row = cur.execute(
+        "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+        "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.classid::bigint = %s "
+        "AND l.objid::bigint = %s", (key >> 32, key & 0xFFFFFFFF)).fetchone()
+    if row is None or not str(row[0]).startswith(f"{APPLICATION_NAME}:"):
+        return None
+    return int(str(row[0]).rpartition(":")[2])
 
 
 @dataclass
@@ -132,7 +147,7 @@ class SharedLearning:
 
     def try_acquire(self) -> bool:
         """Take the learner lock if nobody holds it; on success, start from the newest versions."""
-        conn = self.db.dedicated(**_KEEPALIVE)
+        conn = self.db.dedicated(**_KEEPALIVE, application_name=f"{APPLICATION_NAME}:{os.getpid()}")
         try:
             got = bool(conn.execute("SELECT pg_try_advisory_lock(%s)", (self.lock_key,)).fetchone()[0])  # type: ignore[index]
         except Exception:
@@ -171,7 +186,12 @@ class SharedLearning:
             with self.registry.lock:
                 learner = self.registry.get(key)
                 before = learner.stats.updates
-                learner.record(rebuild(row.selection), torch.tensor(row.rewards, dtype=torch.float32))
+                try:
+                    learner.record(rebuild(row.selection), torch.tensor(row.rewards, dtype=torch.float32))
+                except (ValueError, TypeError, IndexError, RuntimeError) as exc:  # the row, not the database
+                    with conn.transaction(), conn.cursor() as cur:
+                        skip_unlearnable(cur, row.seq, f"{type(exc).__name__}: {exc}")
+                    continue
                 self._buffered[key].append(row.seq)
                 self._touched.add(key)
                 stepped = learner.stats.updates > before

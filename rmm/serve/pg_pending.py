@@ -36,7 +36,7 @@ from rmm.serve.pending import (
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["AppliedFeedback", "PgSelectionStore", "mark_applied", "unapplied_feedback"]
+__all__ = ["AppliedFeedback", "PgSelectionStore", "mark_applied", "skip_unlearnable", "unapplied_feedback"]
 
 log = logging.getLogger(__name__)
 
@@ -172,14 +172,24 @@ def unapplied_feedback(cur: psycopg.Cursor[Any], *, exclude: list[int] | None = 
 
 
 def mark_applied(cur: psycopg.Cursor[Any], seqs: list[int], version: int) -> None:
-    """Mark feedback rows as contained in reranker `version`; all of them, or the transaction fails
-    (another learner applied one meanwhile: this one's view is stale)."""
+    """Mark feedback rows as contained in reranker `version`. Fails the transaction when another
+    learner applied one of them meanwhile (this learner's view is stale); rows deleted meanwhile
+    (their user was deleted) are simply gone."""
     if not seqs:
         return
-    done = cur.execute("UPDATE feedback SET applied_version = %s, applied_at = %s "
-                       "WHERE seq = ANY(%s) AND applied_version IS NULL", (version, time.time(), seqs)).rowcount
-    if done != len(seqs):
-        raise RuntimeError(f"{len(seqs) - done} of {len(seqs)} feedback rows were applied by another learner")
+    row = cur.execute("SELECT count(*) FROM feedback WHERE seq = ANY(%s) AND applied_version IS NOT NULL",
+                      (seqs,)).fetchone()
+    if row is not None and row[0]:
+        raise RuntimeError(f"{row[0]} of {len(seqs)} feedback rows were applied by another learner")
+    cur.execute("UPDATE feedback SET applied_version = %s, applied_at = %s WHERE seq = ANY(%s) AND applied_version IS NULL",
+                (version, time.time(), seqs))
+
+
+def skip_unlearnable(cur: psycopg.Cursor[Any], seq: int, why: str) -> None:
+    """Take a row the learner cannot use off its queue for good (kept, with learn = false), so one
+    bad row cannot stop every learner that takes over after it."""
+    cur.execute("UPDATE feedback SET learn = false WHERE seq = %s", (seq,))
+    log.error("feedback row %d cannot be learned from (%s); marked learn = false", seq, why)
 
 
 def _from_row(row: tuple) -> PendingSelection:

@@ -114,7 +114,7 @@ class RetrievalService:
             db = self.db = PgDatabase(config.store)
             self.selections: Selections = PgSelectionStore(db, config.selection_ttl_s)
             versions = RerankerVersions(db)
-            jobs = lambda handler: PgJobQueue(db, handler, lease_s=config.job_lease_s)  # noqa: E731
+            jobs = lambda handler: PgJobQueue(db, handler, lease_s=config.job_lease_s)
         else:
             self.selections = SelectionStore(path / SELECTIONS_FILE, config.selection_ttl_s)
         self.selections.upgrade_legacy(self.bank.embeddings)
