@@ -33,12 +33,14 @@ def learner_to_bytes(learner: Learner) -> bytes:
         return pack_checkpoint(learner.save(Path(tmp) / "ckpt"))
 
 
-def learner_from_bytes(data: bytes, *, encoder_name: str | None, dim: int | None,
-                       device: Any = "cpu") -> Learner:
-    """A learner from `learner_to_bytes`'s bytes (refuses another encoder or dimension)."""
+def learner_from_bytes(data: bytes, *, encoder_name: str | None, dim: int | None, device: Any = "cpu",
+                       lexical_feature: bool | None = None) -> Learner:
+    """A learner from `learner_to_bytes`'s bytes (refuses another encoder, dimension or, when
+    given, lexical-feature setting — as `Learner.load` does for a folder)."""
     with tempfile.TemporaryDirectory(prefix="rmm-ckpt-") as tmp:
         folder = unpack_checkpoint(data, Path(tmp) / "ckpt")
-        return Learner.load(folder, encoder_name=encoder_name, dim=dim, device=device)
+        return Learner.load(folder, encoder_name=encoder_name, dim=dim, device=device,
+                            lexical_feature=lexical_feature)
 
 
 class RerankerVersions:

@@ -95,7 +95,8 @@ class LearnerRegistry:
     def _from_version(self, key: str, version: int, data: bytes) -> Learner:
         from rmm.policy.pg_versions import learner_from_bytes
 
-        learner = learner_from_bytes(data, encoder_name=self.encoder_name, dim=self.dim, device=self.device)
+        learner = learner_from_bytes(data, encoder_name=self.encoder_name, dim=self.dim, device=self.device,
+                                     lexical_feature=self.config.lexical_feature)
         log.info("loaded reranker %r version %d (step %d)", key, version, learner.stats.step)
         return learner
 
