@@ -332,3 +332,34 @@ def test_a_row_the_learner_cannot_use_is_set_aside_and_the_rest_is_learned(tmp_p
             assert cur.execute("SELECT learn FROM feedback WHERE selection_id = 'bad'").fetchone()[0] is False
     finally:
         a.close()
+
+
+def test_a_session_ended_on_one_replica_is_reflected_once_and_its_job_is_visible_on_both(
+        tmp_path: Path, url: str) -> None:
+    a, b = make_replica(tmp_path, url, "a"), make_replica(tmp_path, url, "b")
+    try:
+        a.append_turns("alpha", "newbie", [("newbie", "I went hiking in the Alps with my sister"),
+                                           ("newbie", "We also adopted a golden retriever puppy named Max")])
+        job = a.end_session("alpha", "newbie")
+        wait_for(lambda: b.job("alpha", job.id).status == "done", timeout=30)
+        assert {m.id for m in b.memories("alpha", "newbie")} == set(b.job("alpha", job.id).result["memories"])
+        with a.db.tx() as cur:
+            assert cur.execute("SELECT attempts FROM jobs WHERE id = %s", (job.id,)).fetchone()[0] == 1
+    finally:
+        b.close()
+        a.close()
+
+
+def test_deleting_a_user_deletes_their_reranker_versions_when_rerankers_are_per_user(
+        tmp_path: Path, url: str) -> None:
+    a = make_replica(tmp_path, url, "a", reranker_per="user")
+    try:
+        wait_for(lambda: a.shared_learning.is_learner)
+        a.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
+        for query in ("hiking trails", "sourdough bread"):
+            a.feedback("alpha", retrieve(a, query).selection_id, cited=[0])
+        wait_for(lambda: RerankerVersions(a.db).latest() == {"alpha:ana": 1})
+        a.delete_user("alpha", "ana")
+        assert RerankerVersions(a.db).latest() == {}
+    finally:
+        a.close()
