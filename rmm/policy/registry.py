@@ -27,7 +27,7 @@ import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -36,14 +36,21 @@ from rmm.policy.checkpoint import backup_of, checkpoint_exists, finish_interrupt
 from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
 
-if TYPE_CHECKING:
-    from rmm.policy.pg_versions import RerankerVersions
-
-__all__ = ["SHARED", "LearnerRegistry", "checkpoint_exists"]
+__all__ = ["SHARED", "LearnerRegistry", "StoredVersions", "checkpoint_exists"]
 
 log = logging.getLogger(__name__)
 
 SHARED = ""  # the key of a learner shared by every user of the bank
+
+
+class StoredVersions(Protocol):
+    """Reranker versions kept outside checkpoint folders (`rmm.policy.pg_versions.RerankerVersions`)."""
+
+    def latest(self) -> dict[str, int]: ...
+
+    def read(self, key: str) -> tuple[int, bytes] | None: ...
+
+    def delete(self, key: str) -> int: ...
 
 
 class LearnerRegistry:
@@ -51,7 +58,7 @@ class LearnerRegistry:
 
     def __init__(self, dim: int, config: LearnerConfig, *, encoder_name: str = "",
                  device: str | torch.device = "cpu", root: str | Path | None = None, subdir: str = "users",
-                 checkpoint_every: int = 0, versions: RerankerVersions | None = None) -> None:
+                 checkpoint_every: int = 0, versions: StoredVersions | None = None) -> None:
         self.dim, self.config, self.encoder_name, self.device = dim, config, encoder_name, device
         self.versions = versions
         self._version: dict[str, int] = {}  # key -> the stored version its learner was loaded from

@@ -138,9 +138,10 @@ class SharedLearning:
                 elif now >= next_reload:
                     next_reload = now + self.reload_interval_s
                     self.reload()
-            except Exception:  # a lost database or connection: drop the role, keep serving, retry
+            except Exception as exc:  # a lost database or connection: drop the role, keep serving, retry
                 self.stats.errors += 1
-                log.exception("shared learning round failed")
+                log.warning("shared learning round failed (%s: %s); retrying", type(exc).__name__,
+                            " ".join(str(exc).split())[:300], exc_info=log.isEnabledFor(logging.DEBUG))
                 self._lose_lease()
             wait = self.apply_every_s if self._conn is not None else min(next_try, next_reload) - time.monotonic()
             self._stop.wait(max(0.02, wait))
