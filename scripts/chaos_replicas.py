@@ -57,6 +57,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # embedded_pg: the tests' throw-away PostgreSQL
 
+from rmm.errors import RmmError
 from rmm.serve.process import free_port, start_server_process
 
 KEY, TENANT = "chaos-key-0123456789", "chaos"
@@ -254,6 +255,9 @@ def seed_bank(url: str, users: list[str], per_user: int) -> None:
 
 
 def writes_lost(urls: list[str], written: dict[str, list[str]]) -> int:
+    """Acknowledged writes no live replica lists (each user asked of a replica in turn)."""
+    if not urls:
+        raise SystemExit("no replica is alive to read the acknowledged writes back")
     lost = 0
     for i, (user, ids) in enumerate(sorted(written.items())):
         response = httpx.get(f"{urls[i % len(urls)]}/v1/users/{user}/memories",
@@ -311,14 +315,23 @@ def run(args: argparse.Namespace, store: str, workdir: Path) -> Report:
         learner = by_pid(learner_pid(store))
         follower = next(r for r in replicas if r is not learner)
         restart = threading.Thread(target=lambda: None)
+        failures: list[RmmError] = []
+
+        def start_again(victim: Replica) -> None:
+            try:
+                victim.start()
+            except RmmError as error:  # start_server_process: exited or never healthy, with its log tail
+                failures.append(error)
 
         def restart_in_background(victim: Replica) -> None:
             nonlocal restart
-            restart = threading.Thread(target=victim.start)
+            restart = threading.Thread(target=start_again, args=(victim,))
             restart.start()
 
         phase("follower", follower, restart_in_background)
         restart.join()
+        if failures:
+            raise SystemExit(f"the killed follower did not start again: {failures[0]}")
         progress("the follower is back")
         # phase 2: the learner; the other replica must take the lock and learn what is left
         old_pid = learner_pid(store)

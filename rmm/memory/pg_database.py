@@ -16,7 +16,13 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from rmm.errors import RmmError
-from rmm.memory.pg_connect import _connect, database_errors, migrate, open_pool, parse_location
+from rmm.memory.pg_connect import (
+    _connect,
+    database_errors,
+    migrate,
+    open_pool,
+    parse_location,
+)
 
 if TYPE_CHECKING:
     import psycopg
