@@ -61,6 +61,8 @@ class Row:
     errors: int
     load_avg: float  # 1-minute load average at the end of the run
     server_cpu_ms: float  # server process CPU time per request (all its threads)
+    client_cpu_ms: float  # the load generator's CPU time per request (this process)
+    client_cpu_share: float  # the load generator's CPU seconds per second: the cores it took from the server
 
 
 def build_bank(bank: Path, data_dir: str | None, conversations: int | None) -> list[tuple[str, str]]:
@@ -149,37 +151,71 @@ def batch_totals(url: str) -> tuple[float, float]:
     return (float(total.group(1)) if total else 0.0), (float(count.group(1)) if count else 0.0)
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection speaking just what the bench needs (POST, a
+    Content-Length body back): a load generator sharing the cores with the server must cost as
+    little as possible per request, and a general client (httpx) costs several times more."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {KEY}\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+        if length is None:
+            raise ConnectionError("response without Content-Length")
+        return status, await self.reader.readexactly(int(length.group(1)))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
 async def load(url: str, questions: list[tuple[str, str]], clients: int, duration: float, k: int, m: int,
                seed: int) -> tuple[list[float], int, int, float]:
-    """N clients, each sending requests back to back until the time is up."""
+    """N clients, each on its own keep-alive connection, sending requests back to back until the
+    time is up."""
     latencies: list[float] = []
     errors = 0
     sent = 0
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, limits=limits,
-                                 timeout=60) as http:
-        async def client(n: int) -> None:
-            nonlocal errors, sent
-            rng = random.Random(seed * 1000 + n)
+    host, _, port = url.removeprefix("http://").partition(":")
+
+    async def client(n: int) -> None:
+        nonlocal errors, sent
+        rng = random.Random(seed * 1000 + n)
+        connection = Connection(host, int(port))
+        try:
             while time.perf_counter() < stop:
                 user, question = rng.choice(questions)
+                body = json.dumps({"queries": [{"user": user, "query": question, "k": k, "m": m}]}).encode()
                 t0 = time.perf_counter()
                 try:
-                    response = await http.post("/v1/retrieve", json={"queries": [
-                        {"user": user, "query": question, "k": k, "m": m}]})
-                    ok = response.status_code == 200 and len(response.json()["results"][0]["memories"]) == m
-                except httpx.HTTPError:
+                    status, answer = await connection.post("/v1/retrieve", body)
+                    ok = status == 200 and len(json.loads(answer)["results"][0]["memories"]) == m
+                except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, KeyError):
+                    connection.close()
                     ok = False
                 sent += 1
                 if ok:
                     latencies.append(time.perf_counter() - t0)
                 else:
                     errors += 1
+        finally:
+            connection.close()
 
-        started = time.perf_counter()
-        stop = started + duration
-        await asyncio.gather(*(client(n) for n in range(clients)))
-        elapsed = time.perf_counter() - started
+    started = time.perf_counter()
+    stop = started + duration
+    await asyncio.gather(*(client(n) for n in range(clients)))
+    elapsed = time.perf_counter() - started
     return latencies, errors, sent, elapsed
 
 
@@ -202,6 +238,53 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return float("nan")
+
+
+def start_profile(pid: int, duration: float, out: Path) -> subprocess.Popen | None:
+    """`py-spy record` of the server for the timed window (raw collapsed stacks), or None without
+    py-spy. Non-blocking sampling at 50 Hz: the profiler shares the cores with the server."""
+    import shutil
+
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("  (py-spy not found: pip install py-spy; no profile)", flush=True)
+        return None
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(max(1, round(duration))),
+                             "--rate", "50", "--nonblocking", "--threads", "--format", "raw", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def profile_summary(path: Path, top: int = 18) -> list[str]:
+    """The functions in most samples (inclusive %, own %), from py-spy's collapsed stacks: one line
+    per stack, frames `name (file:line)` separated by `;`, then the sample count."""
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    threads: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        threads[frames[0]] = threads.get(frames[0], 0) + n
+        names = [re.sub(r":\d+\)$", ")", f) for f in frames[1:]]
+        for name in set(names):
+            inclusive[name] = inclusive.get(name, 0) + n
+        if names:
+            own[names[-1]] = own.get(names[-1], 0) + n
+    if not total:
+        return ["  (no samples)"]
+    lines = [f"  {total} samples (all threads, idle excluded); by thread: "
+             + ", ".join(f"{t} {100 * n / total:.1f}%" for t, n in sorted(threads.items(), key=lambda x: -x[1])[:4])]
+    lines.append(f"  {'incl %':>7} {'own %':>6}  function")
+    for name, n in sorted(inclusive.items(), key=lambda x: -x[1])[:top]:
+        lines.append(f"  {100 * n / total:7.1f} {100 * own.get(name, 0) / total:6.1f}  {name[:110]}")
+    lines.append("  top own time:")
+    for name, n in sorted(own.items(), key=lambda x: -x[1])[:top // 2]:
+        lines.append(f"  {100 * inclusive[name] / total:7.1f} {100 * n / total:6.1f}  {name[:110]}")
+    return lines
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -235,6 +318,8 @@ def main() -> int:
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=JSON",
                         help="extra server setting, e.g. --set query_encoder='\"int8\"' (repeatable)")
     parser.add_argument("--json", help="write the rows as JSON")
+    parser.add_argument("--profile", metavar="DIR", help="record the server with py-spy during each timed run "
+                        "(DIR/serve-MODE-CLIENTS.txt, collapsed stacks) and print its top functions")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -270,10 +355,22 @@ def main() -> int:
                 touch_every_user(url, pairs, args.k, args.m)
                 for clients in args.clients:
                     asyncio.run(load(url, pairs, clients, args.warmup, args.k, args.m, args.seed + 99))
+                    profile = Path(args.profile) / f"serve-{mode}-{clients}.txt" if args.profile else None
+                    spy = None
+                    if profile is not None:
+                        profile.parent.mkdir(parents=True, exist_ok=True)
+                        spy = start_profile(proc.pid, args.duration, profile)
                     before, cpu_before = batch_totals(url), cpu_seconds(proc.pid)
+                    client_before = time.process_time()
                     latencies, errors, sent, elapsed = asyncio.run(
                         load(url, pairs, clients, args.duration, args.k, args.m, args.seed))
+                    client_cpu = time.process_time() - client_before
                     after, cpu_after = batch_totals(url), cpu_seconds(proc.pid)
+                    if spy is not None and profile is not None:
+                        spy.wait(60)
+                        if profile.exists():
+                            print(f"  py-spy profile of the server ({mode}, {clients} clients): {profile}")
+                            print("\n".join(profile_summary(profile)), flush=True)
                     batches = after[1] - before[1]
                     row = Row(clients=clients, batching=mode, max_batch=args.max_batch if batching else 1,
                               max_wait_ms=args.max_wait_ms if batching else 0.0, requests=sent,
@@ -281,11 +378,13 @@ def main() -> int:
                               p99_ms=1000 * percentile(latencies, 0.99),
                               mean_batch=(after[0] - before[0]) / batches if batches else float("nan"),
                               errors=errors, load_avg=os.getloadavg()[0],
-                              server_cpu_ms=1000 * (cpu_after - cpu_before) / max(1, sent))
+                              server_cpu_ms=1000 * (cpu_after - cpu_before) / max(1, sent),
+                              client_cpu_ms=1000 * client_cpu / max(1, sent), client_cpu_share=client_cpu / elapsed)
                     rows.append(row)
                     print(f"  batching {mode:3s} clients {clients:3d}: {row.req_per_s:7.1f} req/s  "
                           f"p50 {row.p50_ms:7.1f} ms  p99 {row.p99_ms:7.1f} ms  batch {row.mean_batch:5.1f}  "
-                          f"server CPU {row.server_cpu_ms:5.1f} ms/req  errors {errors}  load {row.load_avg:.1f}",
+                          f"server CPU {row.server_cpu_ms:5.1f} ms/req  client CPU {row.client_cpu_ms:4.2f} ms/req "
+                          f"({100 * row.client_cpu_share:.0f}% of a core)  errors {errors}  load {row.load_avg:.1f}",
                           flush=True)
             finally:
                 proc.terminate()
@@ -296,11 +395,12 @@ def main() -> int:
 
     print()
     print("| clients | batching | max_batch | max_wait_ms | req/s | p50 ms | p99 ms | mean batch | server CPU ms/req "
-          "| errors | load |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| client CPU ms/req | errors | load |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r.clients} | {r.batching} | {r.max_batch} | {r.max_wait_ms:g} | {r.req_per_s:.1f} | "
-              f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.mean_batch:.1f} | {r.server_cpu_ms:.1f} | {r.errors} | "
+              f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.mean_batch:.1f} | {r.server_cpu_ms:.1f} | {r.client_cpu_ms:.2f} | "
+              f"{r.errors} | "
               f"{r.load_avg:.1f} |")
     on = {r.clients: r for r in rows if r.batching == "on"}
     off = {r.clients: r for r in rows if r.batching == "off"}

@@ -10,7 +10,7 @@ from fakes import BagOfWordsEncoder
 
 from rmm.errors import ConfigError
 from rmm.serve.config import load_config
-from rmm.serve.query_encoder import Int8QueryEncoder, query_encoder
+from rmm.serve.query_encoder import Int8QueryEncoder, RowInt8Linear, query_encoder
 
 FACTS = ["Ana hikes mountain trails every weekend", "Ana bakes sourdough bread on Sundays",
          "Ana plays cello in a community orchestra", "Ana adopted a golden retriever puppy"]
@@ -18,9 +18,7 @@ QUESTIONS = ["Where does she hike?", "Who bakes bread?", "Which instrument does 
 
 
 def quantized_linears(model: torch.nn.Module) -> int:
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
-    return sum(isinstance(module, DynamicLinear) for module in model.modules())
+    return sum(isinstance(module, RowInt8Linear) for module in model.modules())
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +49,28 @@ def test_precision_choices(minilm) -> None:
         query_encoder(minilm, "int4")
     with pytest.raises(ConfigError, match="query_precision must be"):
         load_config(None, {"bank": "/tmp/x", "query_precision": "fp8"}, environ={})
+
+
+def test_int8_query_vector_does_not_depend_on_its_batch(minilm) -> None:
+    """A query encoded alone and inside batches of other (longer, shorter) queries gets the very
+    same vector: a request's ranking must not change with whoever else is asking."""
+    fast = query_encoder(minilm, "int8")
+    others = ["Hi", "What did Ana say about the orchestra rehearsal she had last Thursday evening with her friends?",
+              "Dog?", "Which trail near the lake did she hike with her sister during the long weekend in May?"]
+    alone = torch.cat([fast.encode_queries([q]) for q in QUESTIONS])
+    for batch in (QUESTIONS + others, others[:2] + QUESTIONS[::-1] + others[2:]):
+        vectors = fast.encode_queries(batch)
+        assert all(torch.equal(vectors[batch.index(q)], alone[i]) for i, q in enumerate(QUESTIONS))
+    assert fast.encode_queries([]).shape == (0, 384)
+
+
+def test_row_int8_linear_is_close_to_float_and_rowwise() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    quantized = RowInt8Linear(linear)
+    x = torch.randn(5, 7, 64)
+    exact, approx = linear(x), quantized(x)
+    assert approx.shape == (5, 7, 32)
+    assert torch.nn.functional.cosine_similarity(exact.reshape(-1, 32), approx.reshape(-1, 32)).min() > 0.999
+    assert torch.equal(quantized(x[1:2, 3:4]), approx[1:2, 3:4])  # a row's output ignores the other rows
+    assert torch.equal(quantized(torch.zeros(2, 64)), linear.bias.detach().expand(2, 32))  # zero rows: no 0/0

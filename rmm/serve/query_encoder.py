@@ -1,19 +1,26 @@
 """The server's query path on CPU in int8: the cost every retrieve request pays.
 
 Under load the server's time goes mostly to encoding queries (a MiniLM forward pass per
-micro-batch). Dynamic int8 quantization of the transformer's linear layers (weights int8 per
-output channel, activations quantized on the fly; fbgemm / oneDNN VNNI kernels) roughly halves
-that on a CPU, for a query embedding within ~0.98 cosine of the float one. Only queries take
-this path: passages — what the bank stores — are still encoded in float32, so a bank is served
-the same with or without it and nothing stored changes. `scripts/recall_query_encoder.py`
+micro-batch). Running the transformer's linear layers in int8 (weights per output channel,
+activations quantized on the fly, integer matmul) roughly halves that on a CPU. Only queries
+take this path: passages — what the bank stores — are still encoded in float32, so a bank is
+served the same with or without it and nothing stored changes. `scripts/recall_query_encoder.py`
 measures what it costs in recall on LoCoMo (`configs/serve.yaml` quotes the figure).
+
+Activations are quantized *per token* (one scale per row), not per tensor as torch's dynamic
+quantization does: with one scale for the whole input, a query's embedding depended on the other
+queries of its micro-batch and on their padding (cosine 0.96 between a query encoded alone and in
+a batch of 32 LoCoMo questions), so a request's ranking changed with whoever else was asking.
+With a scale per row the integer matmul (`torch._int_mm`, exact) sees the same numbers for a
+query whatever its batch; what is left is float rounding of the attention over padded lengths
+(as float32 has), which can flip an activation's rounding to int8 now and then
+(`scripts/recall_query_batching.py` measures both against float32 and alone vs batched).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from typing import Any
 
 import torch
@@ -22,25 +29,57 @@ from torch import nn
 from rmm.errors import ConfigError
 from rmm.memory.bank import EncoderLike
 
-__all__ = ["QUERY_PRECISIONS", "Int8QueryEncoder", "query_encoder"]
+__all__ = ["QUERY_PRECISIONS", "Int8QueryEncoder", "RowInt8Linear", "query_encoder", "quantize_linears"]
 
 log = logging.getLogger(__name__)
 
 QUERY_PRECISIONS = ("auto", "float32", "int8")
+PAD_MULTIPLE = 8  # queries are padded to a multiple of this many tokens (see Int8QueryEncoder.encode_queries)
+_TINY = 1e-12  # the smallest scale: an all-zero row stays zero instead of dividing by zero
+
+
+class RowInt8Linear(nn.Module):
+    """`nn.Linear` in int8: weights per output channel, each input row quantized with its own
+    scale (symmetric, ±127), an exact int32 matmul, then one float rescale per element."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp(min=_TINY) / 127.0
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).clamp(-127, 127)
+                             .to(torch.int8).T.contiguous())  # [in, out]: what _int_mm takes
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=_TINY).div_(127.0)
+        quantized = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)
+        out = torch._int_mm(quantized, self.weight_int8).float().mul_(scale).mul_(self.weight_scale)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
 
 
 def quantize_linears(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose linear layers run in int8 (weights per output channel)."""
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
+    """A copy of `model` whose linear layers run in int8 (`RowInt8Linear`)."""
     copied = copy.deepcopy(model)
-    for module in copied.modules():
-        if isinstance(module, nn.Linear):  # the encoder's oneDNN subclass too: quantize the plain layer
-            module.__class__ = nn.Linear
-    with warnings.catch_warnings():  # torch.ao's eager quantization warns that torchao succeeds it
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        return quantize_dynamic(copied, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    for module in list(copied.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):  # the encoder's oneDNN subclass too
+                setattr(module, name, RowInt8Linear(child))
+    return copied
+
+
+def int8_kernels() -> bool:
+    """Whether this torch has an int8 CPU matmul (`torch._int_mm` on CPU, torch >= 2.2)."""
+    try:
+        torch._int_mm(torch.ones(1, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return True
 
 
 class Int8QueryEncoder:
@@ -56,11 +95,45 @@ class Int8QueryEncoder:
         self._queries = copy.copy(encoder)  # shares the tokenizer, config and dense head
         self._queries.model = quantize_linears(encoder.model)
 
+    @torch.inference_mode()
     def encode_queries(self, texts: list[str]) -> torch.Tensor:
-        return self._queries.encode_queries(texts)
+        """Each query padded to its own length rounded up to `PAD_MULTIPLE`, never to its batch's
+        longest: queries of one padded length are encoded together, so a query sees the same
+        numbers alone or in any micro-batch (the int8 matmul is exact; the float ops run per row
+        and per sequence on the same shapes), and padding costs at most `PAD_MULTIPLE - 1` tokens."""
+        encoder = self._queries
+        if not texts:
+            return encoder.encode_queries(texts)
+        sequences = encoder.tokenize(texts, encoder.config.query_prefix)
+        groups: dict[int, list[int]] = {}
+        for i, sequence in enumerate(sequences):
+            groups.setdefault(_padded_length(len(sequence), encoder.max_length), []).append(i)
+        out = torch.empty(len(texts), self.dim, dtype=torch.float32)
+        for length, positions in groups.items():
+            inputs = _pad_to(encoder.collate([sequences[i] for i in positions]), length, encoder.padding_side,
+                             encoder.pad_token_id)
+            out[torch.tensor(positions, dtype=torch.long)] = encoder.embed(inputs).float().cpu()
+        return out
 
     def encode_passages(self, texts: list[str]) -> torch.Tensor:
         return self.inner.encode_passages(texts)
+
+
+def _padded_length(length: int, max_length: int) -> int:
+    return min(max_length, -(-length // PAD_MULTIPLE) * PAD_MULTIPLE)
+
+
+def _pad_to(inputs: dict[str, torch.Tensor], length: int, side: str, pad_id: int) -> dict[str, torch.Tensor]:
+    """`collate`'s inputs (padded to the group's longest) padded on to `length` tokens."""
+    extra = length - inputs["input_ids"].shape[1]
+    if extra <= 0:
+        return inputs
+    widths = (extra, 0) if side == "left" else (0, extra)
+    fill = {"input_ids": pad_id, "attention_mask": 0}
+    padded = {key: torch.nn.functional.pad(value, widths, value=fill.get(key, 0)) for key, value in inputs.items()}
+    if "position_ids" in inputs:  # left padding: positions count real tokens only (as `collate` does)
+        padded["position_ids"] = (padded["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)
+    return padded
 
 
 def query_encoder(encoder: EncoderLike, precision: str) -> EncoderLike:
@@ -70,7 +143,7 @@ def query_encoder(encoder: EncoderLike, precision: str) -> EncoderLike:
         raise ConfigError(f"query_precision must be one of {list(QUERY_PRECISIONS)}, got {precision!r}")
     transformer = isinstance(getattr(encoder, "model", None), nn.Module)
     on_cpu = getattr(encoder, "device", torch.device("cpu")).type == "cpu"
-    kernels = bool({"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines))
+    kernels = int8_kernels()
     if precision == "auto":
         precision = "int8" if transformer and on_cpu and kernels else "float32"
     if precision == "float32":
@@ -78,6 +151,6 @@ def query_encoder(encoder: EncoderLike, precision: str) -> EncoderLike:
     if not transformer:
         raise ConfigError(f"query_precision: int8 needs a transformer encoder; {encoder.name!r} is not one")
     if not kernels:
-        raise ConfigError("query_precision: int8 needs torch's x86/fbgemm int8 kernels, which this build lacks")
+        raise ConfigError("query_precision: int8 needs torch's int8 CPU matmul (torch._int_mm), which this build lacks")
     log.info("query encoder %s: linear layers in int8 (passages stay float32)", encoder.name)
     return Int8QueryEncoder(encoder)
