@@ -210,10 +210,10 @@ def test_concurrent_first_use_makes_one_learner_per_key(monkeypatch: pytest.Monk
     made = []
 
     class SlowReranker(ResidualLinearReranker):
-        def __init__(self, dim: int) -> None:
+        def __init__(self, dim: int, **options: object) -> None:
             made.append(dim)
             time.sleep(0.02)  # widen the window in which an unguarded `get` would build twice
-            super().__init__(dim)
+            super().__init__(dim, **options)
 
     monkeypatch.setattr(registry_module, "ResidualLinearReranker", SlowReranker)
     reg = registry(None)
