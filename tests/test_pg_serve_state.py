@@ -38,6 +38,7 @@ from rmm.serve.pending import PendingSelection, SelectionStore, open_selections
 from rmm.serve.pg_jobs import PgJobQueue
 from rmm.serve.pg_pending import PgSelectionStore, unapplied_feedback
 from rmm.serve.records import NewMemory, RetrieveItem, RetrieveResult
+from rmm.serve.metrics import ServiceCollector
 from rmm.serve.service import RetrievalService
 
 KEYS = {"key-alpha-123": "alpha", "key-beta-4567": "beta"}
@@ -262,6 +263,9 @@ def test_feedback_on_the_other_replica_is_learned_once_as_sampled_and_every_repl
         for name, mine in reference.reranker.state_dict().items():
             assert torch.allclose(mine, learned[name], atol=1e-6), (name, float((mine - learned[name]).abs().max()))
         assert b.learner("alpha").reranker.version == 2
+        gauges = unlabelled_gauges(a)  # what /metrics shows of the shared learning
+        assert gauges["rmm_is_learner"] == 1 and gauges["rmm_feedback_applied"] == 4
+        assert gauges["rmm_reranker_versions_written"] == 2 and unlabelled_gauges(b)["rmm_is_learner"] == 0
         after = retrieve(b, "Lisbon trip")
         with a.db.tx() as cur:
             assert cur.execute("SELECT version FROM selections WHERE id = %s",
@@ -271,6 +275,11 @@ def test_feedback_on_the_other_replica_is_learned_once_as_sampled_and_every_repl
     finally:
         b.close()
         a.close()
+
+
+def unlabelled_gauges(service: RetrievalService) -> dict[str, float]:
+    return {m.name: m.samples[0].value for m in ServiceCollector(service).collect()
+            if m.samples and not m.samples[0].labels}
 
 
 def _row(cur, sid: str) -> PendingSelection:

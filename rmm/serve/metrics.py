@@ -75,6 +75,17 @@ class ServiceCollector:
             gauge = GaugeMetricFamily(name, help_text)
             gauge.add_metric([], stats[key])
             yield gauge
+        # replicas over PostgreSQL: which one is the learner, and what the shared learning did here
+        for name, help_text, key in (
+                ("rmm_is_learner", "1 while this replica holds the learner's advisory lock", "is_learner"),
+                ("rmm_learner_acquisitions", "times this replica took the learner's lock", "learner_acquisitions"),
+                ("rmm_feedback_applied", "feedback rows this replica applied as the learner", "feedback_applied"),
+                ("rmm_reranker_versions_written", "reranker versions this replica wrote", "reranker_versions_written"),
+                ("rmm_reranker_reloads", "newer reranker versions this replica loaded", "reranker_reloads")):
+            if key in stats:
+                gauge = GaugeMetricFamily(name, help_text)
+                gauge.add_metric([], stats[key])
+                yield gauge
 
 
 class RequestMetrics:
