@@ -7,9 +7,11 @@ outputs can be compared field by field):
 * old   — the `rmm` package at a git revision (default: the commit before this script was added,
           i.e. before the speed-up), exported with `git archive`; `fill_topics`, one
           `reflect(session)` after another
-* new   — this working tree, the same `fill_topics` loop
-* many  — this working tree, `ProspectiveReflector.reflect_many(sessions)`: all turns in one
-          encoder call, all topics in one more
+* new   — this working tree, `fill_topics` with an empty passage cache attached, as `rmm eval`
+          does on a machine that never encoded this conversation (cold: every vector computed)
+* warm  — the same, after the conversation's turn bank was built with the cache attached (not
+          timed: that is the turn granularity's own cost), as in `rmm eval --granularity turn topic`;
+          the segmentation's turn vectors then come from the cache
 
 The order of the builds rotates between conversations, so a change in machine load hurts no
 side more than another:
@@ -25,6 +27,7 @@ in them). The load average is printed per row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -37,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPED_UP_IN = "scripts/bench_topics.py"  # added with the speed-up: its parent commit is the baseline
-SIDES = ("old", "new", "many")
+SIDES = ("old", "new", "warm")
 
 
 def default_baseline() -> str:
@@ -57,7 +60,7 @@ def export_package(revision: str, folder: Path) -> Path:
 
 
 # ---- one build, in a process whose `rmm` is the tree under test -----------------------------------
-def worker(conversation: str, encoder_name: str, out: Path, root: Path, threads: int | None, many: bool) -> None:
+def worker(conversation: str, encoder_name: str, out: Path, root: Path, threads: int | None, side: str) -> None:
     import itertools
 
     import torch
@@ -65,6 +68,7 @@ def worker(conversation: str, encoder_name: str, out: Path, root: Path, threads:
     import rmm
     from rmm.data import load_dataset
     from rmm.encoders import load_encoder
+    from rmm.eval import benchmark_bank
     from rmm.eval.benchmark_bank import fill_topics
     from rmm.memory.bank import MemoryBank
     from rmm.reflection import ProspectiveReflector
@@ -78,14 +82,18 @@ def worker(conversation: str, encoder_name: str, out: Path, root: Path, threads:
     encoder = load_encoder(encoder_name, device="cpu")
     ids = itertools.count(1)
     Memory.new_id = staticmethod(lambda: f"m{next(ids):05d}")  # type: ignore[method-assign]
+    dataset = Dataset("locomo", {conversation: sessions}, [])
     with tempfile.TemporaryDirectory() as tmp, MemoryBank(Path(tmp) / "bank", encoder, device="cpu") as bank:
+        cached = side != "old"
+        if side == "warm":
+            with MemoryBank(Path(tmp) / "turns", encoder, device="cpu") as turns, \
+                    benchmark_bank.passage_cache(encoder, tmp):
+                benchmark_bank.fill(turns, dataset, "turn", progress=False)
         reflector = ProspectiveReflector(bank, None)
-        t0, c0 = time.perf_counter(), time.process_time()
-        if many:
-            reflector.reflect_many(sessions)
-        else:
-            fill_topics(bank, Dataset("locomo", {conversation: sessions}, []), reflector, progress=False)
-        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        with benchmark_bank.passage_cache(encoder, tmp) if cached else contextlib.nullcontext():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fill_topics(bank, dataset, reflector, progress=False)
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         memories = bank.memories(conversation)
         vectors = bank.embeddings(conversation, [m.id for m in memories])
     records = [{"id": m.id, "kind": m.kind, "text": m.text, "refs": m.refs, "merged_from": m.merged_from,
@@ -99,7 +107,7 @@ def build(side: str, root: Path, conversation: str, args: argparse.Namespace, sc
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, __file__, "--worker", conversation, "--encoder", args.encoder, "--out", str(out),
                "--root", str(root), *(["--threads", str(args.threads)] if args.threads else []),
-               *(["--many"] if side == "many" else [])]
+               "--side", side]
     subprocess.run(command, env=env, check=True, cwd=scratch)
     return json.loads(out.read_text())
 
@@ -125,10 +133,10 @@ def main() -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
-    parser.add_argument("--many", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=SIDES, default="new", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.encoder, Path(args.out), Path(args.root), args.threads, args.many)
+        worker(args.worker, args.encoder, Path(args.out), Path(args.root), args.threads, args.side)
         return 0
 
     from rmm.data import load_dataset
@@ -138,25 +146,25 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        roots = {"old": export_package(baseline, scratch / "old"), "new": ROOT, "many": ROOT}
-        print(f"old: rmm at {baseline} · new, many: {ROOT} · encoder {args.encoder} · "
+        roots = {"old": export_package(baseline, scratch / "old"), "new": ROOT, "warm": ROOT}
+        print(f"old: rmm at {baseline} · new, warm: {ROOT} · encoder {args.encoder} · "
               f"threads {args.threads or 'default'} · {os.cpu_count()} cores")
-        print(f"{'':<9}{'wall seconds':>24}{'CPU seconds':>24}{'old/new':>9}{'old/many':>10}")
-        print(f"{'conv':<9}{'old':>8}{'new':>8}{'many':>8}{'old':>8}{'new':>8}{'many':>8}{'wall':>5}{'cpu':>5}"
-              f"{'wall':>5}{'cpu':>5}{'load':>6}  same memories (max |Δvector| new, many)")
+        print(f"{'':<9}{'wall seconds':>24}{'CPU seconds':>24}{'old/new':>9}{'old/warm':>10}")
+        print(f"{'conv':<9}{'old':>8}{'new':>8}{'warm':>8}{'old':>8}{'new':>8}{'warm':>8}{'wall':>5}{'cpu':>5}"
+              f"{'wall':>5}{'cpu':>5}{'load':>6}  same memories (max |Δvector| new, warm)")
         for n, conversation in enumerate(conversations):
             order = SIDES[n % 3:] + SIDES[:n % 3]
             built = {side: build(side, roots[side], conversation, args, scratch) for side in order}
-            checks = {side: compare(built["old"], built[side]) for side in ("new", "many")}
+            checks = {side: compare(built["old"], built[side]) for side in ("new", "warm")}
             row = {"conversation": conversation, "memories": len(built["old"]["memories"]),
                    "load": sum(b["load"] for b in built.values()) / 3,
                    "same": all(same for same, _ in checks.values()),
                    **{f"{side}_seconds": built[side]["seconds"] for side in SIDES},
                    **{f"{side}_cpu": built[side]["cpu"] for side in SIDES},
-                   **{f"{side}_max_vector_delta": checks[side][1] for side in ("new", "many")}}
+                   **{f"{side}_max_vector_delta": checks[side][1] for side in ("new", "warm")}}
             rows.append(row)
             print(_line(conversation, row) + f"{row['load']:>6.1f}  {'yes' if row['same'] else 'NO'} "
-                  f"({row['new_max_vector_delta']:.0e}, {row['many_max_vector_delta']:.0e}), {row['memories']} memories",
+                  f"({row['new_max_vector_delta']:.0e}, {row['warm_max_vector_delta']:.0e}), {row['memories']} memories",
                   flush=True)
     total = {key: sum(r[key] for r in rows) for key in rows[0] if key.endswith(("_seconds", "_cpu"))}
     print(_line("total", total) + f"  identical output: {all(r['same'] for r in rows)}")
@@ -168,7 +176,7 @@ def main() -> int:
 
 def _line(label: str, r: dict) -> str:
     times = "".join(f"{r[f'{side}_{kind}']:>8.1f}" for kind in ("seconds", "cpu") for side in SIDES)
-    ratios = "".join(f"{r[f'old_{kind}'] / r[f'{side}_{kind}']:>5.1f}" for side in ("new", "many")
+    ratios = "".join(f"{r[f'old_{kind}'] / r[f'{side}_{kind}']:>5.1f}" for side in ("new", "warm")
                      for kind in ("seconds", "cpu"))
     return f"{label:<9}{times}{ratios}"
 

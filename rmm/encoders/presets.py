@@ -86,14 +86,14 @@ PRESETS: dict[str, Preset] = {
 }
 
 _CONFIG_FIELDS = {field.name for field in dataclasses.fields(EncoderConfig)}
-_ENCODER_OPTIONS = {"device", "dtype", "batch_size", "show_progress", "onednn"}
+_ENCODER_OPTIONS = {"device", "dtype", "batch_size", "show_progress", "onednn", "max_batch_tokens"}
 
 
 def load_encoder(name_or_path: str | os.PathLike[str] = DEFAULT_ENCODER, **overrides: Any) -> Encoder:
     """A preset name or a local folder (HF, sentence-transformers or rmm encoder) → Encoder.
 
     Overrides are EncoderConfig fields (`pooling`, `normalize`, `query_prefix`, `model_path`, …),
-    Encoder options (`device`, `dtype`, `batch_size`, `show_progress`, `onednn`), or `task` (GTE only: the
+    Encoder options (`device`, `dtype`, `batch_size`, `show_progress`, `onednn`, `max_batch_tokens`), or `task` (GTE only: the
     instruction in its query prefix).
     """
     unknown = set(overrides) - _CONFIG_FIELDS - _ENCODER_OPTIONS - {"task"}

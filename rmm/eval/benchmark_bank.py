@@ -2,13 +2,18 @@
 
 Encoding a benchmark is the slow part of every evaluation and training run, so the bank is kept
 in the cache directory, keyed by dataset content, encoder and granularity (and, for topic
-memories built by prospective reflection, the reflector's settings), and reused.
+memories built by prospective reflection, the reflector's settings), and reused. While a dense
+bank is built, its passage vectors also go to a per-encoder `PassageCache` (`<cache>/passages/`),
+so the turn vectors a turn bank computed serve a topic bank's segmentation, and a topic bank
+rebuilt with other reflector settings encodes only the topics that came out different.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from rmm.encoders import Encoder, load_encoder
+from rmm.encoders.passage_cache import PassageCache
 from rmm.errors import RmmError
 from rmm.memory.bank import MemoryBank
 from rmm.memory.bm25 import BM25Retriever
@@ -155,7 +161,7 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
             raise RmmError("topic memories are built with embeddings: use a dense retriever, not bm25")
         return _open_topic_bank(name, dataset, root, digest, device=device, index_backend=index_backend,
                                 batch_size=batch_size, progress=progress, llm=llm, options=reflector_options or {},
-                                store=store)
+                                store=store, cache=cache)
     if name in LEXICAL_RETRIEVERS:
         path = root / f"{dataset.name}-{granularity}-{digest}-bm25.sqlite"
         if store is None:
@@ -167,9 +173,25 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
     enc_key = hashlib.sha256(encoder.fingerprint.encode()).hexdigest()[:12]
     path = root / f"{dataset.name}-{granularity}-{digest}-{enc_key}"
     bank = MemoryBank(_in_database(path, store), encoder, index_backend=index_backend, device=device)
-    fill(bank, dataset, granularity, progress)
+    with passage_cache(encoder, cache):
+        fill(bank, dataset, granularity, progress)
     log.info("bank for %s/%s with %s at %s", dataset.name, granularity, encoder.name, bank.location)
     return DatasetRetriever(name, bank, encoder, bank.path)
+
+
+@contextmanager
+def passage_cache(encoder: Encoder, cache: str | Path | None = None) -> Iterator[PassageCache]:
+    """`encoder` answers passages from its cache under `<cache>/passages/` for the duration (a bank
+    build); the encoder is left without it afterwards, as it was loaded."""
+    opened = PassageCache.for_encoder(cache_dir(cache) / "passages", encoder)
+    previous, encoder.passage_cache = encoder.passage_cache, opened
+    try:
+        yield opened
+    finally:
+        encoder.passage_cache = previous
+        if opened.hits or opened.misses:
+            log.info("passage cache %s: %d hits, %d encoded", opened.path, opened.hits, opened.misses)
+        opened.close()
 
 
 def _in_database(path: Path, store: str | None) -> str | Path:
@@ -183,7 +205,7 @@ def _in_database(path: Path, store: str | None) -> str | Path:
 
 def _open_topic_bank(name: str, dataset: Dataset, root: Path, digest: str, *, device: str, index_backend: str,
                      batch_size: int, progress: bool, llm: LLM | None, options: dict[str, Any],
-                     store: str | None = None) -> DatasetRetriever:
+                     store: str | None = None, cache: str | Path | None = None) -> DatasetRetriever:
     from rmm.reflection import ProspectiveReflector, SegmenterConfig
 
     encoder = load_encoder(name, device=device, batch_size=batch_size)
@@ -195,7 +217,8 @@ def _open_topic_bank(name: str, dataset: Dataset, root: Path, digest: str, *, de
     path = root / f"{dataset.name}-topic-{digest}-{enc_key}-{settings}"
     bank = MemoryBank(_in_database(path, store), encoder, index_backend=index_backend, device=device)
     reflector = ProspectiveReflector(bank, llm, segmenter=segmenter, **options)
-    fill_topics(bank, dataset, reflector, progress)
+    with passage_cache(encoder, cache):
+        fill_topics(bank, dataset, reflector, progress)
     log.info("topic bank for %s with %s (%s) at %s", dataset.name, encoder.name, probe.settings_key, bank.location)
     return DatasetRetriever(name, bank, encoder, bank.path)
 

@@ -272,19 +272,29 @@ class MemoryBank:
             self._apply(user, before, lambda index: index.add(ids, vectors))
         return ids
 
-    def update(self, user: str, memory: Memory) -> Memory:
+    def update(self, user: str, memory: Memory, embedding: torch.Tensor | None = None) -> Memory:
         """Replace a memory's fields; re-embed when its text changed. Returns the stored memory.
 
-        `updated_at` is set to now and `created_at` kept from the stored memory.
+        `updated_at` is set to now and `created_at` kept from the stored memory. `embedding` is the
+        new text's passage vector when the caller already encoded it (with this bank's encoder),
+        so several updates can share one encoder call; it is used only if the text changed.
         """
         if memory.user_id != user:
             raise ValueError(f"memory {memory.id!r} belongs to user {memory.user_id!r}, not {user!r}")
+        given = None
+        if embedding is not None:
+            given = torch.as_tensor(embedding).detach().float().cpu().reshape(1, -1)
+            if given.shape != (1, self.dim):
+                raise DimensionMismatchError(f"embedding of shape {tuple(torch.as_tensor(embedding).shape)} for "
+                                             f"memory {memory.id!r}; this bank needs ({self.dim},)")
         with self._guard():
             self._check_open()
             self.store.require_user(user)
             (old,) = self.store.get(user, [memory.id])
             updated = replace(memory, created_at=old.created_at, updated_at=max(time.time(), old.updated_at + 1e-6))
-            vector = self._encode([updated.text], queries=False) if updated.text != old.text else None
+            vector = None
+            if updated.text != old.text:
+                vector = given if given is not None else self._encode([updated.text], queries=False)
             before = self._generation_or_none(user)
             self.store.update(updated, None if vector is None else vector[0])
 

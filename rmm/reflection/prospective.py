@@ -125,7 +125,7 @@ class ProspectiveReflector:
         """`[self.reflect(s, speakers) for s in sessions]`, in that order and with the same memories,
         in far fewer encoder calls when there is no LLM: every session's turns are encoded in one
         call and then every topic in one more (neither depends on the bank), leaving per session
-        only the search and the re-encoding of the memories it merged into.
+        only the search and one call re-encoding the memories it merged into.
         """
         if self.llm is not None:
             return [self.reflect(s, speakers) for s in sessions]
@@ -210,7 +210,8 @@ class ProspectiveReflector:
         the result stays within `max_merged_turns`, else it is added.
 
         Each segment is encoded once (or `vectors` holds its passage vector already), the vector
-        serving both the search and the add: encoding is nearly all the fallback's time."""
+        serving both the search and the add, and the memories merged into are re-encoded in one
+        call: encoding is nearly all the fallback's time."""
         if not extracted:
             return []
         context = _context_of(session)
@@ -230,7 +231,9 @@ class ProspectiveReflector:
                     continue
             adds.append(self._new(user, e, context, extractive=True))
             added.append(i)
-        out = [self.bank.update(user, memory) for memory in merged.values()]
+        # the memories merged into, re-encoded together (their new texts do not depend on each other)
+        rewritten = self._encode_summaries([memory.text for memory in merged.values()])
+        out = [self.bank.update(user, memory, embedding=vector) for memory, vector in zip(merged.values(), rewritten)]
         if adds:
             self.bank.add(user, adds, embeddings=vectors[added])
             self.stats.added += len(adds)
