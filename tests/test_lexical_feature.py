@@ -75,12 +75,15 @@ def test_sampling_uses_the_same_scores_and_records_the_feature() -> None:
     assert torch.equal(kept.candidates.lexical, cands[0].lexical[[0, 2, 3, 4]])
 
 
-def test_an_untrained_reranker_with_the_feature_at_zero_is_eq1() -> None:
-    assert LEXICAL_INIT == 0.0  # if the chosen start changes, the next assertion does not apply
+def test_an_untrained_reranker_starts_from_cosine_plus_the_chosen_share_of_the_fused_score() -> None:
     plain, lexical = ResidualLinearReranker(D), ResidualLinearReranker(D, lexical_feature=True)
+    assert float(lexical.lexical_weight.detach()) == pytest.approx(LEXICAL_INIT) and LEXICAL_INIT > 0
     cands = [candidates(s) for s in range(4)]
+    (sel,) = lexical.select(cands[:1], K)
+    assert torch.allclose(sel.scores, cands[0].embeddings @ cands[0].query_embedding + LEXICAL_INIT * cands[0].lexical)
+    at_zero = ResidualLinearReranker(D, lexical_feature=True, lexical_init=0.0)  # w = 0: exactly Eq. 1
     a = plain.select(cands, 3, tau=0.2, explore=True, generator=torch.Generator().manual_seed(5))
-    b = lexical.select(cands, 3, tau=0.2, explore=True, generator=torch.Generator().manual_seed(5))
+    b = at_zero.select(cands, 3, tau=0.2, explore=True, generator=torch.Generator().manual_seed(5))
     assert [s.chosen for s in a] == [s.chosen for s in b]
 
 
@@ -100,36 +103,40 @@ def test_the_learner_learns_w_from_citations_of_lexically_marked_memories() -> N
     assert float(learner.reranker.lexical_weight.detach()) > 2.0
 
 
-def test_a_learner_follows_its_reranker_and_its_checkpoint_states_the_setting(tmp_path: Path) -> None:
-    plain = Learner(ResidualLinearReranker(D), LearnerConfig(lexical_feature=True))
-    assert plain.config.lexical_feature is False  # what it learns is what its reranker has
-    learner = Learner(ResidualLinearReranker(D, lexical_feature=True), LearnerConfig(lexical_feature=True, tau=0.5))
+def test_a_checkpoint_states_whether_its_reranker_has_the_feature(tmp_path: Path) -> None:
+    assert LearnerConfig().lexical_feature  # on by default: a registry builds rerankers with it
+    learner = Learner(ResidualLinearReranker(D, lexical_feature=True), LearnerConfig(tau=0.5))
     sel = learner.select([candidates(7)], 2, generator=torch.Generator().manual_seed(1))[0]
     learner.record(sel, torch.tensor([1.0, -1.0]))  # buffered, with its feature
     with torch.no_grad():
         learner.reranker.lexical_weight.fill_(0.25)
     folder = learner.save(tmp_path / "ckpt")
     meta = json.loads((folder / "meta.json").read_text())
-    assert meta["config"]["lexical_feature"] is True and meta["format_version"] == 3
+    assert meta["lexical_feature"] is True and meta["format_version"] == 3
     resumed = Learner.load(folder, lexical_feature=True)
-    assert float(resumed.reranker.lexical_weight.detach()) == 0.25
+    assert float(resumed.reranker.lexical_weight.detach()) == 0.25 and resumed.config == learner.config
     assert torch.equal(resumed._buffer[0].lexical, sel.candidates.lexical.float())
     with pytest.raises(CheckpointError, match="trained with the lexical feature"):
         Learner.load(folder, lexical_feature=False)
 
+    # A learner learns what its reranker has; the checkpoint says so, whatever the config's default.
+    plain = Learner(ResidualLinearReranker(D), LearnerConfig()).save(tmp_path / "plain")
+    assert json.loads((plain / "meta.json").read_text())["lexical_feature"] is False
+    with pytest.raises(CheckpointError, match="without the lexical feature"):
+        Learner.load(plain, lexical_feature=True)
     # A checkpoint from before the feature (format 2, no lexical_feature) loads as plain Eq. 1.
-    old = Learner(ResidualLinearReranker(D), LearnerConfig()).save(tmp_path / "old")
-    meta = json.loads((old / "meta.json").read_text())
-    del meta["config"]["lexical_feature"]
-    (old / "meta.json").write_text(json.dumps({**meta, "format_version": 2}))
-    loaded = Learner.load(old, lexical_feature=True)
-    assert not loaded.reranker.lexical_feature and loaded.config.lexical_feature is False
-    # A registry asking for the feature builds new learners with it and refuses a checkpoint without it.
-    registry = LearnerRegistry(D, LearnerConfig(lexical_feature=True), root=tmp_path / "reg")
+    meta = json.loads((plain / "meta.json").read_text())
+    del meta["lexical_feature"], meta["config"]["lexical_feature"]
+    (plain / "meta.json").write_text(json.dumps({**meta, "format_version": 2}))
+    loaded = Learner.load(plain, lexical_feature=True)
+    assert not loaded.reranker.lexical_feature and loaded.config == LearnerConfig()
+    # A registry builds new learners with the feature and refuses a checkpoint that states it has none.
+    registry = LearnerRegistry(D, LearnerConfig(), root=tmp_path / "reg")
     assert registry.get("a").reranker.lexical_feature
     Learner(ResidualLinearReranker(D), LearnerConfig()).save(registry.path("b"))
     with pytest.raises(CheckpointError, match="without the lexical feature"):
         registry.get("b")
+    assert not LearnerRegistry(D, LearnerConfig(lexical_feature=False)).get("c").reranker.lexical_feature
 
 
 # ---- through the hybrid first stage and rmm train's trainer -----------------------------------------

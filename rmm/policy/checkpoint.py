@@ -10,7 +10,7 @@ A checkpoint is a folder —
 
 Format 2 added to each buffered record the τ, behaviour log-probability μ, weights version and
 mask it was sampled with (the off-policy correction needs them) and to the config the credit and
-importance options; format 3 the config's `lexical_feature` (our extension of Eq. 1: the weights
+importance options; format 3 `lexical_feature` in the meta (our extension of Eq. 1: the weights
 then hold `lexical_weight`; a checkpoint without the key is a plain Eq. 1 reranker). Formats 1 and
 2 are still read, and `Learner.load` upgrades them.
 

@@ -27,8 +27,9 @@ class LearnerConfig:
     importance sampling: biased for small batches, but a batch of very stale selections no longer
     shrinks the step). `tau` is what `Learner.select` samples with; a selection that recorded
     its own τ is learned at that τ, so sampling and log π never use two different values.
-    `lexical_feature` adds the learned weight of the hybrid first stage's fused score to Eq. 1
-    (`rmm.policy.reranker`; our extension, a no-op for candidates without the feature)."""
+    `lexical_feature`: rerankers a registry builds get the learned weight of the hybrid first
+    stage's fused score (`rmm.policy.reranker`; our extension of Eq. 1, a no-op for candidates
+    without the feature); a learner given a reranker learns whatever that reranker has."""
 
     lr: float = 1e-3
     batch_size: int = 4
@@ -41,7 +42,7 @@ class LearnerConfig:
     importance: bool = True
     is_clip: float = 1.0
     is_normalize: bool = False
-    lexical_feature: bool = False
+    lexical_feature: bool = True
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
