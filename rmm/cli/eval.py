@@ -21,9 +21,10 @@ from rmm.cli.common import (
     write_json,
 )
 from rmm.cli.settings import PRECEDENCE, add_config_options
-from rmm.cli.tables import Figures, print_figures
+from rmm.cli.tables import Figures, headroom_cell, print_figures
+from rmm.errors import RmmError
 
-__all__ = ["granularity_figures", "register", "report_figures", "run"]
+__all__ = ["granularity_figures", "headroom_figures", "register", "report_figures", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--llm", help="LLM spec for topic extraction (default: the labelled non-LLM fallback)")
     p.add_argument("--merge-threshold", type=cosine, default=0.8,
                    help="fallback topics: cosine above which a topic merges into an existing one")
+    p.add_argument("--reranker", metavar="DIR",
+                   help="a reranker checkpoint folder (rmm train --output RUN: RUN/rerankers; the agent's "
+                        "BANK/reranker): also report each dense or hybrid retriever's top --depth reranked by it, "
+                        "and the share of the headroom up to the ceiling it captured")
     p.add_argument("--json", help="write the numbers as JSON")
     p.add_argument("--store", type=store_url,
                    help="keep the benchmark banks in PostgreSQL + pgvector (postgresql://…) instead of the cache folder")
@@ -79,10 +84,17 @@ def run(args: argparse.Namespace) -> int:
                               ceiling=args.depth)
             log.info("evaluated %s/%s in %.1fs", name, granularity, time.perf_counter() - t0)
             reports[f"{name}/{granularity}"] = report
+            reranked = _reranked(args, dataset, opened, granularity, label, report) if args.reranker else None
+            if reranked is not None:
+                reports[f"{name}/{granularity}+reranker"] = reranked
             if len(args.granularity) == 1:
                 print_figures(report_figures(report), console)
                 if report.skipped:
                     console.print(f"[dim]{report.skipped} questions without gold evidence were skipped[/dim]")
+            if reranked is not None:
+                if len(args.granularity) == 1:
+                    print_figures(report_figures(reranked), console)
+                print_figures(headroom_figures(report, reranked), console)
     if len(args.granularity) > 1:
         for name in args.retriever:
             print_figures(granularity_figures([reports[f"{name}/{g}"] for g in args.granularity], name), console)
@@ -91,6 +103,38 @@ def run(args: argparse.Namespace) -> int:
     else:
         write_json(args.json, {key: r.to_json() for key, r in reports.items()})
     return 0
+
+
+def _reranked(args: argparse.Namespace, dataset: Any, opened: Any, granularity: str, label: str,
+              base: Any) -> Any:
+    """`base`'s retriever with its top --depth reordered by the --reranker checkpoint, scored alike;
+    its `headroom` compares the two against the ceiling recall@depth."""
+    from rmm.eval.retrieval import evaluate, headroom_by_cutoff
+    from rmm.policy.learner import Learner
+    from rmm.policy.retrieve import RerankedRetriever
+
+    if opened.encoder is None:
+        raise RmmError(f"--reranker needs a dense or hybrid retriever (embeddings); {opened.name!r} has none")
+    learner = Learner.load(args.reranker, encoder_name=opened.encoder.fingerprint, dim=opened.encoder.dim)
+    retriever = RerankedRetriever(opened.retriever, learner.reranker, k=args.depth, m=min(args.depth, *args.k))
+    reranked = evaluate(dataset, retriever, granularity, args.k, retriever_name=f"{label} + reranker",
+                        ceiling=args.depth)
+    reranked.headroom = headroom_by_cutoff(base, reranked)
+    return reranked
+
+
+def headroom_figures(base: Any, reranked: Any) -> Figures:
+    """Per cut-off below the ceiling: the retriever, the reranked list, the ceiling, the share captured."""
+    k = base.ceiling
+    figures = Figures(title=f"{base.dataset} · {escape(base.retriever)} · {base.granularity}: headroom up to "
+                            f"R@{k} (%)",
+                      caption=f"ceiling = the top {k} candidates' recall, the most a reranker of them can reach; "
+                              "captured = (reranked − retriever) / (ceiling − retriever)",
+                      columns=["cut-off", "retriever alone", "+ reranker", f"ceiling R@{k}", "headroom captured"])
+    for cut, row in reranked.headroom.items():
+        figures.add_row(cut, fmt(row["retriever"]), fmt(row["reranked"]), fmt(row[f"ceiling_recall@{k}"]),
+                        headroom_cell(row["captured"]))
+    return figures
 
 
 def _category_rows(figures: Figures, first: Any, cells: Any) -> None:

@@ -64,6 +64,23 @@ def headroom_captured(reranked_at_m: float, base_at_m: float, base_at_k: float) 
     return (reranked_at_m - base_at_m) / room
 
 
+def headroom_by_cutoff(base: RetrievalReport, reranked: RetrievalReport) -> dict[str, dict[str, float | None]]:
+    """For each cut-off M below the ceiling K: the retriever's and the reranked recall@M, the
+    ceiling recall@K (the retriever's) and the share of headroom captured (None: no headroom)."""
+    k = base.ceiling
+    out: dict[str, dict[str, float | None]] = {}
+    if k is None or f"recall@{k}" not in base.overall:
+        return out
+    for m in base.ks:
+        if m >= k:
+            continue
+        before, after = base.overall[f"recall@{m}"], reranked.overall[f"recall@{m}"]
+        ceiling = max(base.overall[f"recall@{k}"], before)  # ≥ per question; only float summation could differ
+        out[f"recall@{m}"] = {"retriever": before, "reranked": after, f"ceiling_recall@{k}": ceiling,
+                              "captured": headroom_captured(after, before, ceiling)}
+    return out
+
+
 def scorable(questions: Iterable[Question], scorer: GoldScorer) -> list[Question]:
     return [q for q in questions if scorer.gold(q) and not q.abstention]
 
@@ -79,6 +96,7 @@ class RetrievalReport:
     separate: dict[str, dict[str, float | str | int]] = field(default_factory=dict)
     skipped: int = 0
     ceiling: int | None = None  # K of the candidate set a reranker reorders; recall@K is in every row
+    headroom: dict[str, dict[str, float | None]] = field(default_factory=dict)  # a reranked report's, per cut-off
 
     def ceiling_recall(self) -> float | None:
         """Headline recall@K of the top-K candidates: the most any reordering of them can reach."""
