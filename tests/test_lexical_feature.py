@@ -230,3 +230,15 @@ def test_rmm_train_learns_the_lexical_weight_over_hybrid_candidates(hybrid) -> N
     assert held["retriever_recall@6"] == 1.0 and held["reranker_recall@1"] == on.reranker_heldout["recall@1"]
     assert held["captured"] is None  # the retriever already had it all at M: no headroom
     assert 0.0 <= on.reranker_heldout_whole_bank["recall@1"] <= 1.0  # the whole-bank search runs on a hybrid
+
+
+def test_rmm_train_turns_the_feature_off_by_flag_or_config_key() -> None:
+    from rmm.cli.arguments import CheckedParser
+    from rmm.cli.train import _online_config, add_train_command_options
+
+    parser = CheckedParser(prog="rmm train")
+    add_train_command_options(parser)
+    for argv, expected in (([], True), (["--no-lexical-feature"], False), (["lexical_feature=false"], False)):
+        args = parser.parse_args(argv)
+        cfg = _online_config(args, normalized_encoder=True)
+        assert cfg.lexical_feature is expected and cfg.learner_config().lexical_feature is expected
