@@ -11,16 +11,24 @@ Two settings (`--setting`):
   with precomputed embeddings in a bank that records the MiniLM encoder. Queries are real LoCoMo
   questions, encoded by the server's MiniLM query path, each for a random one of the 32 users, so
   every micro-batch searches many users' 10k-row matrices. Search results are meaningless; the
-  cost of every step is not.
+  cost of every step is not. The server scans a float16 copy of each matrix (`index_precision:
+  float16`, re-scored exactly in float32: LoCoMo recall unchanged, scripts/recall_index_precision.py;
+  about 3x less search time than float32 at 10k rows on this CPU); `--set index_precision='"float32"'`
+  turns it off.
 
 The server runs in a subprocess for each batching mode (its torch thread count is printed); each
-client sends retrieve requests back to back for `--duration` seconds after `--warmup`. Prints
-throughput, p50/p99 latency, mean server-side batch size, errors, the 1-minute load average
-(other processes on the machine inflate every figure), then the batching on / off throughput
-ratio and both p99s. Exits 1 if any request failed.
+client sends retrieve requests back to back for `--duration` seconds after `--warmup`, on its own
+keep-alive connection of a minimal HTTP client (the load generator shares the cores with the
+server, so it must be cheap: its CPU time per request and share of a core are printed). Prints
+throughput, p50/p99 latency, mean server-side batch size, the server's CPU time per request (a
+figure other processes on the machine inflate far less than wall time), errors, the 1-minute
+load average, then the batching on / off throughput ratio and both p99s. `--profile DIR` records
+the server with py-spy during each timed run and prints its top functions. Exits 1 if any
+request failed.
 
     python scripts/bench_serve.py                                # LoCoMo: 1, 8, 32 clients, 8 s each
-    python scripts/bench_serve.py --setting goal                 # 32 users x 10k memories, 32 clients
+    python scripts/bench_serve.py --setting goal --duration 30   # 32 users x 10k memories, 32 clients
+    python scripts/bench_serve.py --setting goal --profile /tmp/prof  # and where the server's time goes
     python scripts/bench_serve.py --clients 1 16 64 --duration 20 --max-batch 128
 """
 
@@ -329,6 +337,8 @@ def main() -> int:
     goal = args.setting == "goal"
     args.clients = args.clients or ([32] if goal else [1, 8, 32])
     extra = {key: json.loads(value) for key, _, value in (s.partition("=") for s in args.settings)}
+    if goal:  # 10k rows per user outgrow the cache: a float16 scan (re-scored in float32) reads half the bytes
+        extra.setdefault("index_precision", "float16")
     if goal:
         default_bank = cache_dir() / "bench-serve" / f"synthetic-{args.users}x{args.per_user}-minilm"
         what = f"{args.users} users x {args.per_user} synthetic memories (random unit vectors), LoCoMo questions"

@@ -10,6 +10,7 @@ deleted mid-batch) is handed back to that query alone.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import defaultdict
@@ -41,7 +42,18 @@ class BatchRetriever:
                  selections: SelectionStore, *, tau: float) -> None:
         self.config, self.bank, self.encoder, self.learners = config, bank, encoder, learners
         self.selections, self.tau = selections, tau
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, key: str) -> torch.Generator:
+        """The Gumbel noise stream of one reranker key, seeded from the config's seed and the key:
+        what one tenant is shown never depends on another tenant's traffic, and a key's queries draw
+        their noise in arrival order whether they came in one micro-batch or one at a time.
+        Called under the learners' lock."""
+        generator = self._generators.get(key)
+        if generator is None:
+            digest = hashlib.blake2b(f"{self.config.seed}:{key}".encode(), digest_size=8).digest()
+            generator = self._generators[key] = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+        return generator
 
     def retrieve_batch(self, items: list[RetrieveItem]) -> list[RetrieveResult | Exception]:
         """Every query of the batch in one encode; per user one search; per reranker one select."""
@@ -94,14 +106,15 @@ class BatchRetriever:
     def _select(self, items: list[RetrieveItem], candidates: dict[int, Candidates]) -> dict[int, tuple[Selection, str]]:
         """Each reranker scores all its queries at once; returns (selection, reranker key) per item."""
         groups: dict[tuple[str, bool], list[int]] = defaultdict(list)
-        for i in candidates:
+        for i in sorted(candidates):  # arrival order: the noise rows are drawn as one query at a time would
             groups[(self._key(items[i]), items[i].explore)].append(i)
         selections: dict[int, tuple[Selection, str]] = {}
         for (key, explore), positions in groups.items():
             m_max = max(items[i].m for i in positions)
             with self.learners.lock:
                 picked = self.learners.get(key).reranker.select(
-                    [candidates[i] for i in positions], m_max, tau=self.tau, explore=explore, generator=self.generator)
+                    [candidates[i] for i in positions], m_max, tau=self.tau, explore=explore,
+                    generator=self._generator(key))
             for i, selection in zip(positions, picked):
                 # A Gumbel top-m is the first m picks of the top-M_max (same noise): truncation is exact.
                 m = items[i].m
