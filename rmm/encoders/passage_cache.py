@@ -22,6 +22,7 @@ import sqlite3
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -37,6 +38,11 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS vectors (key BLOB PRIMARY KEY, vector BLOB NOT NULL);
 """
 _LOOKUP_CHUNK = 500  # SQLite's host-parameter limit is 999 on old builds
+
+
+class _Identified(Protocol):
+    fingerprint: str
+    dim: int
 
 
 def token_key(ids: Sequence[int]) -> bytes:
@@ -73,9 +79,9 @@ class PassageCache:
         self.misses = 0
 
     @classmethod
-    def for_encoder(cls, folder: str | Path, encoder: object) -> PassageCache:
+    def for_encoder(cls, folder: str | Path, encoder: _Identified) -> PassageCache:
         """The cache file of `encoder` (an rmm `Encoder`) under `folder`, named after its identity."""
-        fingerprint, dim = str(getattr(encoder, "fingerprint")), int(getattr(encoder, "dim"))
+        fingerprint, dim = str(encoder.fingerprint), int(encoder.dim)
         device, dtype = getattr(encoder, "device", "cpu"), getattr(encoder, "dtype", torch.float32)
         variant = f"{torch.device(device).type}-{str(dtype).removeprefix('torch.')}"
         name = hashlib.sha256(f"{fingerprint}|{variant}".encode()).hexdigest()[:16]
