@@ -28,7 +28,8 @@ def pct(value: float | None, signed: bool = False) -> str:
 
 def overrides_text(row: dict[str, Any]) -> str:
     items = row.get("overrides", {})
-    return ", ".join(f"{k}={v}" for k, v in items.items()) or "recipe auto"
+    text = ", ".join(f"{k}={v}" for k, v in items.items()) or "recipe auto"
+    return text + (" · prefix stripped" if row.get("strip_prefix") else "")
 
 
 def prequential_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -49,7 +50,10 @@ def heldout_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [("| dataset · memories · retriever | run | questions | group | R@5 alone | R@5 reranked | R@20 | "
            "nDCG@5 alone | nDCG@5 reranked | headroom captured |"),
            "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    trained = {(r["dataset"], r.get("granularity", "turn"), r["retriever"]) for r in rows if r["name"] != "alone"}
     for r in rows:
+        if r["name"] == "alone" and (r["dataset"], r.get("granularity", "turn"), r["retriever"]) in trained:
+            continue  # the trained run's "alone" columns are the same retriever on the same questions
         for group, f in r.get("heldout", {}).items():
             hc = f["headroom_captured"]
             out.append(f"| {r['dataset']} · {r.get('granularity', 'turn')} · {r['retriever']} | {r['name']} | "

@@ -26,7 +26,9 @@ import argparse
 import json
 import logging
 import os
+import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +44,11 @@ from rmm.eval.retrieval import (
     headroom_captured,
     scorable,
 )
+from rmm.policy import reranker as reranker_module
 from rmm.policy.learner import recipe_for
 
 log = logging.getLogger("reranker_ablations")
+PREFIX = re.compile(r"^what do you know about:\s*", re.IGNORECASE)
 
 
 class CountingTrainer(OnlineTrainer):
@@ -177,6 +181,8 @@ def main() -> None:
     parser.add_argument("--recipe", default="auto")
     parser.add_argument("--read-heldout", action="store_true",
                         help="run the whole rmm train program and report held-out figures (final candidates only)")
+    parser.add_argument("--strip-prefix", action="store_true",
+                        help="diagnostic only: drop MSC's 'What do you know about:' from every question")
     parser.add_argument("--alone", action="store_true",
                         help="no training: the retriever alone on the held-out questions (final table only)")
     parser.add_argument("--out", type=Path, help="append one JSON line per run")
@@ -185,13 +191,16 @@ def main() -> None:
     log.setLevel(logging.INFO)
 
     dataset = load_dataset(args.dataset, download=False)
+    if args.strip_prefix:
+        dataset.questions = [replace(q, text=PREFIX.sub("", q.text)) for q in dataset.questions]
     opened = open_retriever(args.retriever, dataset, args.granularity, progress=False)
     if args.alone:
-        if opened.encoder is not None:
-            cache_queries(opened.retriever.encoder)
+        alone_cache = cache_queries(opened.retriever.encoder) if opened.encoder is not None else None
         row = {"name": "alone", "dataset": args.dataset, "retriever": args.retriever,
                "granularity": args.granularity, "heldout": alone_table(dataset, opened.retriever, 20, 5),
                "load": os.getloadavg()[0]}
+        if alone_cache is not None:
+            alone_cache.flush()
         h = row["heldout"]["headline"]
         log.info("%s · %s · %s alone, HELD-OUT R@5 %.1f R@20 %.1f nDCG@5 %.1f", args.dataset, args.retriever,
                  args.granularity, 100 * h["base recall@5"], 100 * h["base recall@20"], 100 * h["base ndcg@5"])
@@ -201,11 +210,15 @@ def main() -> None:
         return
     cache = cache_queries(opened.retriever.encoder)
     recipe = recipe_for(args.recipe, opened.encoder.config.normalize)
+    default_lexical_init = reranker_module.LEXICAL_INIT
     log.info("# %s · %s · %s memories · recipe %s · limit %s · load %.1f", args.dataset, args.retriever,
              args.granularity, recipe, args.limit, os.getloadavg()[0])
     for spec in args.run or ["base"]:
         name, overrides = parse_run(spec)
-        cfg = OnlineConfig(**{**recipe, "limit": args.limit, **overrides})
+        settings = dict(overrides)
+        # w's starting value is a module constant of the reranker, not an OnlineConfig field
+        reranker_module.LEXICAL_INIT = float(settings.pop("lexical_init", default_lexical_init))
+        cfg = OnlineConfig(**{**recipe, "limit": args.limit, **settings})
         started, cpu = time.perf_counter(), time.process_time()
         trainer = CountingTrainer(dataset, opened.retriever, cfg, progress=False)
         report = trainer.run() if args.read_heldout else None
@@ -213,7 +226,7 @@ def main() -> None:
             train_only(trainer)
         cache.flush()
         row: dict[str, Any] = {"name": name, "dataset": args.dataset, "retriever": args.retriever,
-                               "granularity": args.granularity,
+                               "granularity": args.granularity, "strip_prefix": args.strip_prefix,
                                "limit": args.limit, "overrides": overrides, "prequential": prequential(trainer),
                                "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu,
                                "load": os.getloadavg()[0]}

@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--tau", type=float, default=0.05, help="softmax temperature of the listwise loss")
     parser.add_argument("--prefix-strip", action="store_true")
+    parser.add_argument("--lexical-init", type=float, default=None,
+                        help="hybrid candidates: add w·f (f = the fused score in [0, 1]) with w learned from this start")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
@@ -60,7 +62,7 @@ def main() -> None:
     users = sorted({q.user_id for q in split.train})
     random.Random(0).shuffle(users)
     fit_users = set(users[: round(len(users) * args.fit_fraction)])
-    rows: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]] = {"fit": [], "check": []}
+    rows: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor]]] = {"fit": [], "check": []}
     for user in users:
         qs = [q for q in split.train if q.user_id == user and q.category not in separate]
         if not qs:
@@ -73,22 +75,27 @@ def main() -> None:
             if len(c) < args.k:
                 continue
             rows["fit" if user in fit_users else "check"].append(
-                (c.query_embedding.reshape(-1), c.embeddings, label, float(len(gold))))
+                (c.query_embedding.reshape(-1), c.embeddings, label, float(len(gold)),
+                 torch.zeros(args.k) if getattr(c, "lexical", None) is None else c.lexical.reshape(-1).float()))
     cache.flush()
     tensors = {name: (torch.stack([r[0] for r in rs]), torch.stack([r[1] for r in rs]),
-                      torch.stack([r[2] for r in rs]), torch.tensor([r[3] for r in rs])) for name, rs in rows.items()}
+                      torch.stack([r[2] for r in rs]), torch.tensor([r[3] for r in rs]),
+                      torch.stack([r[4] for r in rs])) for name, rs in rows.items()}
     dim = tensors["fit"][0].shape[1]
     w_q = torch.zeros(dim, dim, requires_grad=True)
     w_m = torch.zeros(dim, dim, requires_grad=True)
-    opt = torch.optim.Adam([w_q, w_m], lr=args.lr)
+    w_lex = torch.tensor(args.lexical_init or 0.0, requires_grad=args.lexical_init is not None)
+    opt = torch.optim.Adam([w_q, w_m] + ([w_lex] if args.lexical_init is not None else []), lr=args.lr)
 
-    def scores(q: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("nd,nkd->nk", q + q @ w_q.T, m + m @ w_m.T)
+    def scores(q: torch.Tensor, m: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """(q + W_q q)·(m + W_m m) (+ w·f), folded onto the query side: B·d² instead of B·K·d²."""
+        folded = q + q @ w_q.T
+        return torch.einsum("nd,nkd->nk", folded + folded @ w_m, m) + w_lex * f
 
     def recall(name: str) -> float:
-        q, m, label, n_gold = tensors[name]
+        q, m, label, n_gold, f = tensors[name]
         with torch.no_grad():
-            top = scores(q, m).topk(args.m, dim=1).indices
+            top = scores(q, m, f).topk(args.m, dim=1).indices
         found = label.gather(1, top).sum(1).float()
         return float((found / n_gold).clamp(max=1).mean())
 
@@ -97,19 +104,19 @@ def main() -> None:
              len(rows["fit"]), len(users) - len(fit_users), len(rows["check"]), os.getloadavg()[0])
     ceiling = float((tensors["check"][2].any(1)).float().mean())
     log.info("check users: any gold in top-%d %.1f%%", args.k, 100 * ceiling)
-    q, m, label, _ = tensors["fit"]
+    q, m, label, _, f = tensors["fit"]
     has_gold = label.any(1)
     done = 0
     for target in sorted(args.steps):
         while done < target:
-            s = scores(q[has_gold], m[has_gold]) / args.tau
+            s = scores(q[has_gold], m[has_gold], f[has_gold]) / args.tau
             loss = -(torch.logsumexp(s.masked_fill(~label[has_gold], -1e9), 1) - torch.logsumexp(s, 1)).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
             done += 1
-        log.info("steps %4d  recall@%d fit users %.1f  unseen training users %.1f", done, args.m,
-                 100 * recall("fit"), 100 * recall("check"))
+        log.info("steps %4d  recall@%d fit users %.1f  unseen training users %.1f  w %.2f", done, args.m,
+                 100 * recall("fit"), 100 * recall("check"), float(w_lex.detach()))
     getattr(opened.retriever, "close", lambda: None)()
 
 
