@@ -1,5 +1,6 @@
 """`rmm chat`: a terminal conversation with the RMM agent (memories, citations, online reranker),
-directly or through a query-side front end (GOAL-MEM or MemR³), whose trace is shown after each reply."""
+directly or through a query-side front end (GOAL-MEM or MemR³), whose trace is shown after each reply.
+`--retriever hybrid` fuses BM25 into the first stage; the reflector still writes into the dense bank."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from rmm.cli.common import DEFAULT_RETRIEVER, add_k_m_options, add_verbose, cons
 from rmm.cli.frontend_options import add_frontend_options, append_trace, frontend_config
 from rmm.errors import RmmError
 
-__all__ = ["CHAT_LOG", "print_reply", "register", "run"]
+__all__ = ["CHAT_LOG", "first_stage_choice", "print_reply", "register", "run"]
 
 CHAT_LOG = "chat.log"
 
@@ -25,7 +26,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--bank", required=True, help="bank folder (created if absent)")
     p.add_argument("--user", required=True)
     p.add_argument("--llm", required=True, help="openai:URL@MODEL | hf:PATH | vllm:PATH | simulated")
-    p.add_argument("--encoder", default=DEFAULT_RETRIEVER, help="encoder preset or folder (must match the bank)")
+    p.add_argument("--encoder", help=f"encoder preset or folder (must match the bank; default {DEFAULT_RETRIEVER})")
+    p.add_argument("--retriever", default="dense",
+                   help="first stage: dense (the encoder's bank search) or hybrid[:DENSE] (BM25 over the bank's "
+                        "memories + the dense search, reciprocal-rank fused; DENSE = the encoder, as --encoder); "
+                        "hybrid candidates give the reranker its lexical feature")
     add_frontend_options(p)
     add_k_m_options(p)
     p.add_argument("--tau", type=positive_float, help="Gumbel temperature (default: the recipe's)")
@@ -45,18 +50,21 @@ def run(args: argparse.Namespace) -> int:
     from rmm.encoders import load_encoder
     from rmm.frontends.agent import Agent
     from rmm.memory.bank import MemoryBank
+    from rmm.memory.hybrid import HybridRetriever
 
     llm = load_llm(args.llm, **llm_options(args))
     if llm.name == "simulated":
         raise RmmError("the simulated LLM writes no answers (it only cites, for benchmarks with gold evidence); "
                        "chat with hf:PATH, openai:URL@MODEL or vllm:PATH")
-    bank = MemoryBank(args.bank, load_encoder(args.encoder, device=args.device), device=args.device)
+    encoder_name, hybrid = first_stage_choice(args.retriever, args.encoder)
+    bank = MemoryBank(args.bank, load_encoder(encoder_name, device=args.device), device=args.device)
     log_path = Path(args.bank) / CHAT_LOG
     # The screen is for the conversation: library warnings (e.g. a reply's citation problems) go to
     # a log file beside the bank instead of between the turns.
     restore_logging = logs.to_file(log_path, args.verbose)
     try:
-        agent = Agent(bank, llm, k=args.k, m=args.m, tau=args.tau, recipe=args.recipe, learn=not args.no_learn,
+        first_stage = HybridRetriever(bank) if hybrid else None
+        agent = Agent(bank, llm, first_stage=first_stage, k=args.k, m=args.m, tau=args.tau, recipe=args.recipe, learn=not args.no_learn,
                       structured=args.structured, per_user=args.per_user, store_turns=args.store_turns)
         try:
             controller = _controller(agent, args)
@@ -72,6 +80,23 @@ def run(args: argparse.Namespace) -> int:
         restore_logging()
     console.print("saved")
     return 0
+
+
+def first_stage_choice(retriever: str, encoder: str | None) -> tuple[str, bool]:
+    """(the bank's encoder, whether BM25 is fused in) from --retriever and --encoder."""
+    from rmm.eval.benchmark_bank import HYBRID, hybrid_dense
+
+    if retriever == "dense":
+        return encoder or DEFAULT_RETRIEVER, False
+    if retriever != HYBRID and not retriever.startswith(HYBRID + ":"):
+        raise RmmError(f"--retriever must be dense, hybrid or hybrid:DENSE, got {retriever!r}")
+    if retriever == HYBRID:
+        return encoder or DEFAULT_RETRIEVER, True
+    dense = hybrid_dense(retriever)
+    assert dense is not None
+    if encoder is not None and encoder != dense:
+        raise RmmError(f"--retriever {retriever} names the encoder {dense!r} but --encoder says {encoder!r}: give one")
+    return dense, True
 
 
 def _converse(agent: Any, controller: Any, bank: Any, args: argparse.Namespace) -> None:

@@ -40,7 +40,8 @@ def _register(subparsers: Any, name: str, text: str) -> None:
     p.add_argument("--llm", required=True, help="hf:PATH | openai:URL@MODEL | vllm:PATH (the simulated LLM "
                                                 "cannot drive a controller)")
     p.add_argument("--retriever", default=common.DEFAULT_RETRIEVER,
-                   help="dense encoder preset or folder (turn memories)")
+                   help="first stage of both the controller and the direct query (turn memories): a dense "
+                        "encoder preset or folder, or hybrid[:DENSE] (BM25 + that dense retriever, fused)")
     p.add_argument("--limit", type=positive_int, help="at most N questions (in dataset order)")
     common.add_k_m_options(p, "candidates per query", "memories selected per GOAL-MEM subgoal query (at most K; "
                                                       "MemR³ shows --n-chk per retrieval)")

@@ -36,7 +36,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dataset", default="locomo")
     p.add_argument("--llm", required=True, help="generator spec (simulated: citations and recall only)")
     p.add_argument("--judge-llm", help="judge spec (default: the generator)")
-    p.add_argument("--retriever", default=DEFAULT_RETRIEVER)
+    p.add_argument("--retriever", default=DEFAULT_RETRIEVER,
+                   help="the agent's first stage: a dense encoder preset or folder, or hybrid[:DENSE] (BM25 + "
+                        "that dense retriever, reciprocal-rank fused; candidates carry the lexical feature)")
     p.add_argument("--granularity", default="turn", choices=("turn", "session", "topic"))
     p.add_argument("--limit", type=positive_int, help="answer at most N questions (in dataset order)")
     add_k_m_options(p)

@@ -27,7 +27,6 @@ from rmm.frontends.agent import Agent
 from rmm.frontends.controllers import CONTROLLERS, ControllerConfig, controller_name, open_controller
 from rmm.frontends.goal import GoalConfig
 from rmm.memory.sessions import SessionLog
-from rmm.policy.retrieve import RerankedRetriever
 from rmm.types import Dataset, Question
 
 if TYPE_CHECKING:
@@ -120,8 +119,7 @@ def _direct(agent: Agent, question: Question, n: int) -> list[str]:
     """The top-n distinct memories of one query with the question itself (the reranker's order)."""
     if n == 0 or not agent.bank.store.has_user(question.user_id):
         return []
-    retriever = RerankedRetriever(agent.bank, agent.learner(question.user_id).reranker, k=max(agent.k, n),
-                                  m=min(agent.m, n), tau=agent.tau)
+    retriever = agent.retriever(question.user_id, k=max(agent.k, n), m=min(agent.m, n))  # the controller's first stage
     (found,) = retriever.search([question.text], question.user_id, n)
     return list(dict.fromkeys(found.memory_ids))[:n]
 

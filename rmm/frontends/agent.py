@@ -13,6 +13,14 @@ encoders and the `normalized` recipe (τ 0.05, running-mean baseline, lr 3e-4) f
 ones such as the default MiniLM, whose cosines τ = 0.5 would flatten into near-uniform sampling
 (see `rmm.policy.learner.RECIPES`); `tau=` or `learner_config=` override it.
 
+A first stage other than the bank's own dense search (`first_stage=HybridRetriever(bank)`, BM25 +
+dense fused, `rmm.memory.hybrid`) only chooses the K candidates: the reflector still writes into
+the dense bank, and BM25 reads the bank's store, rebuilding a user's index whenever that user's
+store generation moved, so a memory added by `end_session` is found lexically by the next query.
+Hybrid candidates carry their lexical feature; the Selection keeps it as scored, so the update
+(now or delayed) learns the lexical weight from what was sampled. Passing a `HybridRetriever` as
+`bank` means the same (its dense bank is written into), for callers that hold one retriever.
+
 Decisions where the paper is silent: `end_session` stores topic memories only, as the paper
 does (`store_turns=True` also stores each raw turn as a turn memory); extraction is asked about
 the user only (the whole session is shown, but memories about the assistant help nobody).
@@ -27,7 +35,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rmm.errors import RmmError
 from rmm.memory.bank import MemoryBank
+from rmm.memory.hybrid import HybridRetriever
 from rmm.memory.sessions import SessionLog
 from rmm.policy.learner import Learner, LearnerConfig, is_normalized_encoder, recipe_config
 from rmm.policy.registry import SHARED, LearnerRegistry
@@ -58,7 +68,7 @@ class Response:
 
 
 class Agent:
-    def __init__(self, bank: MemoryBank, llm: LLM, *, learner: Learner | None = None, per_user: bool = False,
+    def __init__(self, bank: MemoryBank | HybridRetriever, llm: LLM, *, first_stage: HybridRetriever | None = None, learner: Learner | None = None, per_user: bool = False,
                  reflector: ProspectiveReflector | None = None, k: int = 20, m: int = 5, tau: float | None = None,
                  learn: bool = True, structured: bool = False, sessions: SessionLog | None = None,
                  checkpoint_dir: str | Path | None = None, checkpoint_every: int = 10, store_turns: bool = False,
@@ -66,10 +76,12 @@ class Agent:
                  recipe: str = "auto") -> None:
         if m > k:
             raise ValueError(f"cannot show M={m} memories out of K={k} candidates")
+        bank, first_stage = _split_first_stage(bank, first_stage)
         if learner_config is None:  # `auto`: the paper's for dot products, sharper for cosines
             learner_config = recipe_config(recipe, is_normalized_encoder(bank.encoder), tau=tau)
         tau = learner_config.tau if tau is None else tau
         self.bank, self.llm = bank, llm
+        self.first_stage: MemoryBank | HybridRetriever = first_stage if first_stage is not None else bank
         self.k, self.m, self.tau = k, m, tau
         self.learn, self.structured, self.store_turns = learn, structured, store_turns
         self.max_tokens = max_tokens
@@ -120,12 +132,16 @@ class Agent:
 
     # ---- the steps ------------------------------------------------------------------------
     def select(self, user: str, query: str) -> tuple[Selection | None, list[Memory]]:
-        """Retrieve K, rerank to M (Gumbel-sampled when learning, greedy otherwise)."""
+        """Retrieve K through the first stage, rerank to M (Gumbel-sampled when learning, greedy otherwise)."""
         if not self.bank.store.has_user(user):
             return None, []
-        retriever = RerankedRetriever(self.bank, self.learner(user).reranker, k=self.k, m=self.m, tau=self.tau)
-        (selection,) = retriever.select([query], user, explore=self.learn, generator=self.generator)
+        (selection,) = self.retriever(user).select([query], user, explore=self.learn, generator=self.generator)
         return selection, self.bank.get(user, selection.memory_ids) if selection.chosen else []
+
+    def retriever(self, user: str, *, k: int | None = None, m: int | None = None) -> RerankedRetriever:
+        """The first stage → `user`'s reranker, as every front end over this agent selects."""
+        return RerankedRetriever(self.first_stage, self.learner(user).reranker,  # type: ignore[arg-type]
+                                 k=self.k if k is None else k, m=self.m if m is None else m, tau=self.tau)
 
     def generate(self, query: str, shown: list[Memory], history: list[Turn]) -> str:
         from rmm.prompts import ANSWER_SCHEMA, answer_messages
@@ -156,3 +172,17 @@ class Agent:
 
     def _key(self, user: str) -> str:
         return user if self.per_user else SHARED
+
+
+def _split_first_stage(bank: MemoryBank | HybridRetriever,
+                       first_stage: HybridRetriever | None) -> tuple[MemoryBank, HybridRetriever | None]:
+    """(the dense bank written into, the first stage or None): a hybrid `bank` is both; a given
+    first stage must search the bank the agent writes into, or new memories would never be found."""
+    if isinstance(bank, HybridRetriever):
+        if first_stage is not None and first_stage is not bank:
+            raise RmmError("give the hybrid retriever either as the bank or as first_stage, not two of them")
+        return bank.bank, bank
+    if first_stage is not None and first_stage.bank is not bank:
+        raise RmmError("the first stage must search the agent's own bank (HybridRetriever(bank)): memories the "
+                       "reflector writes would otherwise never be retrieved")
+    return bank, first_stage

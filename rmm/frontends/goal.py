@@ -64,7 +64,6 @@ from rmm.frontends.trace import (
     UnifyRecord,
 )
 from rmm.policy.citations import parse_citations
-from rmm.policy.retrieve import RerankedRetriever
 from rmm.prompts import (
     Decomposition,
     PromptParseError,
@@ -296,8 +295,7 @@ class GoalFrontend:
 
     def _select(self, q: _Question, texts: list[str]) -> list[tuple[Selection, list[str]]]:
         """Retriever → reranker for a batch of queries, each cut to the budget; memories fetched once."""
-        learner = self.agent.learner(q.user)
-        retriever = RerankedRetriever(self.agent.bank, learner.reranker, k=self.k, m=self.m, tau=self.agent.tau)
+        retriever = self.agent.retriever(q.user, k=self.k, m=self.m)  # the agent's first stage (dense or hybrid)
         out = []
         for selection in retriever.select(texts, q.user, explore=self.agent.learn, generator=self.agent.generator):
             selection = self._within_budget(q, selection)

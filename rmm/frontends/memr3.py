@@ -52,7 +52,6 @@ from rmm.errors import RmmError
 from rmm.frontends.memr3_trace import EvidenceRecord, IterationRecord, MemR3Trace
 from rmm.frontends.trace import LLMCall, QueryRecord
 from rmm.policy.citations import parse_citations
-from rmm.policy.retrieve import RerankedRetriever
 from rmm.prompts.memr3_parse import Decision, Generation, parse_generation
 from rmm.prompts.memr3_render import (
     MEMR3_SCHEMA,
@@ -225,8 +224,7 @@ class MemR3Frontend:
         """S_k = Retrieve(q ⊕ Δq, M \\ M^ret): one reranked selection of n_chk unseen memories."""
         state = q.state
         text = f"{state.question} {delta}" if delta else state.question
-        retriever = RerankedRetriever(self.agent.bank, self.agent.learner(q.user).reranker, k=self.k,
-                                      m=self.config.n_chk, tau=self.agent.tau)
+        retriever = self.agent.retriever(q.user, k=self.k, m=self.config.n_chk)  # the agent's first stage
         (selection,) = retriever.select([text], q.user, explore=self.agent.learn, generator=self.agent.generator,
                                         exclude=[set(state.retrieved)])
         ids = [i for i in selection.memory_ids if i not in q.memories]  # all of them: the mask excluded the rest
