@@ -141,6 +141,9 @@ class ServeConfig:
     recipe: str = "auto"  # learner hyper-parameters: auto | paper | normalized (rmm.policy.learner.RECIPES)
     explore: bool = True
     scope: Literal["topk", "bank"] = "topk"
+    # dense: the encoder's bank search | hybrid: BM25 over the bank's memories fused with it
+    # (rmm.memory.hybrid); hybrid candidates give the reranker its lexical feature
+    retriever: Literal["dense", "hybrid"] = "dense"
     # whose feedback trains the reranker that ranks whose memories: each tenant learns alone by
     # default; "bank" (one reranker every tenant trains and is ranked by) only by explicit choice
     reranker_per: Literal["bank", "tenant", "user"] = "tenant"
@@ -181,6 +184,8 @@ class ServeConfig:
             raise ConfigError(f"tau must be > 0, got {self.tau}")
         if self.scope not in ("topk", "bank"):
             raise ConfigError(f"scope must be 'topk' or 'bank', got {self.scope!r}")
+        if self.retriever not in ("dense", "hybrid"):
+            raise ConfigError(f"retriever must be 'dense' or 'hybrid', got {self.retriever!r}")
         if self.reranker_per not in ("bank", "tenant", "user"):
             raise ConfigError(f"reranker_per must be 'bank', 'tenant' or 'user', got {self.reranker_per!r}")
         if self.selection_ttl_s <= 0:

@@ -5,7 +5,9 @@ between; a selection therefore lives in `selections.sqlite` (WAL) until it is re
 or its user is deleted. A row keeps everything its update needs *as it was at sampling time*
 (issue 13 item 3): the candidate ids and their embeddings as scored (float32 blobs, K×d), the
 query embedding, the ordered picks, the behaviour log-probabilities μ, τ, the weights version and
-the mask. Nothing is re-read from the bank at feedback time, so a memory edited or deleted in
+the mask, and — for a hybrid first stage — each candidate's lexical feature as scored (float32 blob,
+K; NULL for dense candidates and rows written before it was kept, which rebuild without it).
+Nothing is re-read from the bank at feedback time, so a memory edited or deleted in
 between cannot change what the learner learns. This costs K×d×4 bytes per selection (30 KiB at
 K=20, d=384), bounded by the TTL sweep.
 
@@ -75,10 +77,11 @@ _ADDED_COLUMNS = {
     "version": "INTEGER",  # weights version (learner step) that sampled it
     "mask": "BLOB",  # [K] uint8, 1 = could be picked; NULL = all candidates
     "feedback": "TEXT",  # JSON of the feedback received (citations, rewards, learned, reason)
+    "lexical": "BLOB",  # [K] float32 lexical feature as scored (hybrid first stage); NULL = none
 }
 
 _COLUMNS = ("id, tenant, user_id, reranker_key, query, memory_ids, chosen, explore, query_emb, scores, logp, noise, "
-            "created_at, expires_at, consumed_at, embeddings, tau, version, mask")
+            "created_at, expires_at, consumed_at, embeddings, tau, version, mask, lexical")
 _N_COLUMNS = len(_COLUMNS.split(","))
 
 EmbeddingsOf = Callable[[str, list[str]], torch.Tensor]  # (user_id, memory ids) -> [K, d]
@@ -107,6 +110,7 @@ class PendingSelection:
     tau: float | None = None
     version: int | None = None
     mask: torch.Tensor | None = None  # [K] bool
+    lexical: torch.Tensor | None = None  # [K] the candidates' lexical feature as scored; None = none
 
 
 def _blob(tensor: torch.Tensor | None) -> bytes | None:
@@ -129,7 +133,7 @@ def _row(s: PendingSelection) -> tuple:
     return (s.id, s.tenant, s.user_id, s.reranker_key, s.query, json.dumps(s.memory_ids), json.dumps(s.chosen),
             int(s.explore), _blob(s.query_embedding), _blob(s.scores), _blob(s.logp), _blob(s.noise),
             s.created_at, s.expires_at, None, _blob(s.embeddings), None if s.tau is None else float(s.tau),
-            None if s.version is None else int(s.version), _mask_blob(s.mask))
+            None if s.version is None else int(s.version), _mask_blob(s.mask), _blob(s.lexical))
 
 
 class Selections(Protocol):
@@ -344,5 +348,5 @@ def _from_row(row: tuple) -> PendingSelection:
         memory_ids=memory_ids, chosen=list(json.loads(row[6])), explore=bool(row[7]),
         query_embedding=query_embedding, scores=scores, logp=_tensor(row[10]), noise=_tensor(row[11]),
         created_at=row[12], expires_at=row[13], consumed_at=row[14], embeddings=embeddings,
-        tau=row[16], version=row[17], mask=mask,
+        tau=row[16], version=row[17], mask=mask, lexical=_tensor(row[19]),
     )

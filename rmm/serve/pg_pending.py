@@ -2,7 +2,8 @@
 
 Same contract as the SQLite `rmm.serve.pending.SelectionStore` (the `Selections` protocol): a
 row keeps everything its update needs as sampled (candidate ids and embeddings as scored, query
-embedding, ordered picks, μ, τ, mask, weights version), so feedback posted to any replica finds
+embedding, ordered picks, μ, τ, mask, weights version, the lexical feature of hybrid candidates —
+column added by migration 0003, NULL in older rows), so feedback posted to any replica finds
 it, and the learner — whichever replica holds the learner lock — rebuilds the update from the row
 alone. Claiming a selection appends its feedback to the `feedback` table in the same transaction
 (committed before the HTTP answer), so acknowledged feedback survives any replica's death; the
@@ -41,7 +42,7 @@ __all__ = ["AppliedFeedback", "PgSelectionStore", "mark_applied", "skip_unlearna
 log = logging.getLogger(__name__)
 
 _COLUMNS = ("id, tenant, user_id, reranker_key, query, memory_ids, chosen, explore, query_emb, scores, logp, noise, "
-            "embeddings, tau, version, mask, created_at, expires_at, consumed_at")
+            "embeddings, tau, version, mask, created_at, expires_at, consumed_at, lexical")
 _PREFIXED = ", ".join(f"s.{c.strip()}" for c in _COLUMNS.split(","))
 
 
@@ -55,7 +56,7 @@ class AppliedFeedback:
 
 
 class PgSelectionStore:
-    """`Selections` on a PostgreSQL bank schema (tables `selections`, `feedback`; migration 0002)."""
+    """`Selections` on a PostgreSQL bank schema (tables `selections`, `feedback`; migrations 0002, 0003)."""
 
     learns_in_background = True
 
@@ -79,7 +80,8 @@ class PgSelectionStore:
         rows = [(s.id, s.tenant, s.user_id, s.reranker_key, s.query, Jsonb(list(s.memory_ids)), Jsonb(list(s.chosen)),
                  bool(s.explore), _blob(s.query_embedding), _blob(s.scores), _blob(s.logp), _blob(s.noise),
                  _blob(s.embeddings), None if s.tau is None else float(s.tau),
-                 None if s.version is None else int(s.version), _mask_blob(s.mask), s.created_at, s.expires_at, None)
+                 None if s.version is None else int(s.version), _mask_blob(s.mask), s.created_at, s.expires_at, None,
+                 _blob(s.lexical))
                 for s in selections]
         with self.db.tx() as cur:
             cur.executemany(f"INSERT INTO selections ({_COLUMNS}) VALUES ({', '.join(['%s'] * len(rows[0]))})", rows)
@@ -208,5 +210,6 @@ def _from_row(row: tuple) -> PendingSelection:
         tau=None if row[13] is None else float(row[13]), version=None if row[14] is None else int(row[14]),
         mask=mask, created_at=float(row[16]), expires_at=float(row[17]),
         consumed_at=None if row[18] is None else float(row[18]),
+        lexical=None if row[19] is None else _tensor(bytes(row[19])),
     )
 

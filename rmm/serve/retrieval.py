@@ -20,6 +20,7 @@ import torch
 
 from rmm.errors import UnknownMemoryError, UnknownUserError
 from rmm.memory.bank import MemoryBank
+from rmm.memory.hybrid import HybridRetriever
 from rmm.policy.registry import LearnerRegistry
 from rmm.serve.config import ServeConfig
 from rmm.serve.locked_encoder import LockedEncoder
@@ -42,6 +43,8 @@ class BatchRetriever:
                  selections: SelectionStore, *, tau: float) -> None:
         self.config, self.bank, self.encoder, self.learners = config, bank, encoder, learners
         self.selections, self.tau = selections, tau
+        # the first stage: the dense bank, or BM25 fused with it (candidates carry the lexical feature)
+        self.first_stage = HybridRetriever(bank) if config.retriever == "hybrid" else bank
         self._generators: dict[str, torch.Generator] = {}
 
     def _generator(self, key: str) -> torch.Generator:
@@ -91,8 +94,8 @@ class BatchRetriever:
                     search_q = reranker.transform_queries(q.to(self.bank.device)).cpu()
             k_max = max(items[i].k for i in positions)
             try:
-                rows = self.bank.search_embeddings(search_q, user_id, k_max, queries=[items[i].query for i in positions])
-            except UnknownUserError as exc:  # deleted since the batch began
+                rows = self.first_stage.search_embeddings(search_q, user_id, k_max, queries=[items[i].query for i in positions])
+            except (UnknownUserError, UnknownMemoryError) as exc:  # deleted since the batch began
                 for i in positions:
                     results[i] = callers_error(exc, items[i].tenant, items[i].user)
                 continue
@@ -100,7 +103,8 @@ class BatchRetriever:
                 k = items[i].k
                 found[i] = Candidates(query=row.query, memory_ids=row.memory_ids[:k],
                                       retriever_scores=row.retriever_scores[:k], embeddings=row.embeddings[:k],
-                                      query_embedding=vec, user_id=user_id)
+                                      query_embedding=vec, user_id=user_id,
+                                      lexical=None if row.lexical is None else row.lexical[:k])
         return found
 
     def _select(self, items: list[RetrieveItem], candidates: dict[int, Candidates]) -> dict[int, tuple[Selection, str]]:
@@ -163,7 +167,7 @@ class BatchRetriever:
                     memory_ids=list(c.memory_ids), chosen=list(selection.chosen), explore=selection.explore,
                     query_embedding=c.query_embedding, scores=selection.scores, logp=selection.logp,
                     noise=selection.noise, created_at=now, expires_at=expires, embeddings=c.embeddings,
-                    tau=selection.tau, version=selection.version, mask=selection.mask))
+                    tau=selection.tau, version=selection.version, mask=selection.mask, lexical=c.lexical))
             results[i] = RetrieveResult(user=item.user, query=item.query,
                                         selection_id=selection.id if has_pick else None, explore=selection.explore,
                                         expires_at=expires if has_pick else None, memories=shown)
