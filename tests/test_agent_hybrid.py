@@ -60,6 +60,18 @@ def test_a_memory_the_reflector_adds_later_is_found_lexically(bank: MemoryBank) 
     assert [m.id for m in again.cited] == [added.id]
 
 
+def test_bm25_follows_merged_and_deleted_memories(bank: MemoryBank) -> None:
+    hybrid = HybridRetriever(bank)
+    assert hybrid.lexical.search(["theremin"], "ana", 3)[0].memory_ids == []
+    merged = bank.update("ana", Memory(id="f2", user_id="ana", kind="topic", text="Ana plays cello and theremin"))
+    assert hybrid.lexical.search(["theremin"], "ana", 3)[0].memory_ids == [merged.id]
+    (c,) = hybrid.search(["theremin"], "ana", 3)
+    assert c.memory_ids[0] == "f2" and float(c.lexical[0]) == 1.0
+    bank.delete("ana", ["f2"])
+    (c,) = hybrid.search(["theremin"], "ana", 3)
+    assert "f2" not in c.memory_ids and hybrid.lexical.search(["theremin"], "ana", 3)[0].memory_ids == []
+
+
 def test_the_update_learns_from_the_lexical_values_recorded_at_sampling(bank: MemoryBank) -> None:
     agent = hybrid_agent(bank, ScriptedLLM(cite_mentions("cello")))
     before = copy.deepcopy(agent.learner("ana"))
