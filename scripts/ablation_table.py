@@ -63,13 +63,36 @@ def heldout_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def headline_table(rows: list[dict[str, Any]]) -> list[str]:
+    """One row per dataset · memories · first stage: the held-out headline questions only."""
+    trained = {(r["dataset"], r.get("granularity", "turn"), r["retriever"]) for r in rows if r["name"] != "alone"}
+    kept = [r for r in rows if "heldout" in r and not (
+        r["name"] == "alone" and (r["dataset"], r.get("granularity", "turn"), r["retriever"]) in trained)]
+    rank = {"turn": 0, "session": 1, "topic": 2, "bm25": 0, "minilm": 1, "hybrid": 2}
+    kept.sort(key=lambda r: (r["dataset"], rank.get(r.get("granularity", "turn"), 9), rank.get(r["retriever"], 9)))
+    out = [("| dataset · memories · first stage | R@5 alone | R@5 + reranker | lift | R@20 | "
+           "nDCG@5 alone → + reranker | headroom captured |"),
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in kept:
+        h = r["heldout"]["headline"]
+        base, reranked = h["base recall@5"], h["reranked recall@5"]
+        ndcg = pct(h["base ndcg@5"]) + ("" if reranked is None else f" → {pct(h['reranked ndcg@5'])}")
+        lift = "n/a" if reranked is None else pct(reranked - base, True)
+        hc = h["headroom_captured"]
+        out.append(f"| {r['dataset']} · {r.get('granularity', 'turn')} · {r['retriever']} | {pct(base)} | "
+                   f"{pct(reranked)} | {lift} | {pct(h['base recall@20'])} | {ndcg} | "
+                   f"{'n/a' if hc is None else f'{100 * hc:.0f}%'} |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", type=Path, nargs="+")
     parser.add_argument("--heldout", action="store_true", help="per-category held-out tables (final candidates)")
+    parser.add_argument("--headline", action="store_true", help="held-out headline rows only, one per first stage")
     args = parser.parse_args()
     rows = [json.loads(line) for path in args.files for line in path.read_text().splitlines() if line.strip()]
-    lines = heldout_table(rows) if args.heldout else prequential_table(rows)
+    lines = headline_table(rows) if args.headline else heldout_table(rows) if args.heldout else prequential_table(rows)
     sys.stdout.write("\n".join(lines) + "\n")
 
 
