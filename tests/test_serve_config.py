@@ -90,3 +90,22 @@ def test_rmm_serve_is_registered_and_refuses_to_run_without_keys(tmp_path: Path,
     assert args.func is run and args.max_batch == 16 and args.no_batching
     with pytest.raises(ConfigError, match="no API keys configured"):
         run(argparse.Namespace(**{**vars(args), "dev_key": False}))
+
+
+def test_rmm_serve_retriever_flag_reaches_the_config_and_refuses_unknown_kinds(tmp_path: Path, monkeypatch) -> None:
+    from rmm.cli import build_parser
+    from rmm.cli import serve as serve_cli
+
+    seen: dict[str, object] = {}
+
+    def capture(path, overrides):  # stop right after the config is resolved: no server is started
+        seen["retriever"] = load_config(path, overrides, environ={}).retriever
+        raise ConfigError("stop")
+
+    monkeypatch.setattr("rmm.serve.config.load_config", capture)
+    args = build_parser().parse_args(["serve", "--bank", str(tmp_path / "bank"), "--retriever", "hybrid"])
+    with pytest.raises(ConfigError, match="stop"):
+        serve_cli.run(args)
+    assert seen["retriever"] == "hybrid"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--retriever", "bm25"])

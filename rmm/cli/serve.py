@@ -46,9 +46,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--key-file", help="file of 'KEY TENANT' lines (API keys)")
     p.add_argument("--dev-key", action="store_true",
                    help="when no API key is configured, generate one for tenant 'default' and log it")
+    p.add_argument("--retriever", choices=("dense", "hybrid"),
+                   help="first stage: dense (default) or hybrid = BM25 + dense fused by reciprocal rank, "
+                        "the fused score given to the reranker as its lexical feature")
     p.add_argument("--store", type=store_url,
-                   help="postgresql://user@host/db[?schema=NAME]: memories and search in PostgreSQL + pgvector "
-                        "(the bank folder keeps the rest); default: the folder's SQLite")
+                   help="postgresql://user@host/db[?schema=NAME]: memories, search, pending selections, feedback, "
+                        "reflection jobs and reranker versions in PostgreSQL + pgvector, shared by every replica "
+                        "(the bank folder keeps open sessions); default: the folder's SQLite")
     add_verbose(p)
     p.set_defaults(func=run)
     return p
@@ -66,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         "index_backend": args.index_backend, "device": args.device, "llm": args.llm,
         "batching.max_batch": args.max_batch, "batching.max_wait_ms": args.max_wait_ms,
         "batching.enabled": False if args.no_batching else None, "auth.key_file": args.key_file,
-        "store": args.store,
+        "store": args.store, "retriever": args.retriever,
     }
     config = load_config(args.config, overrides)
     if not config.auth.resolve():

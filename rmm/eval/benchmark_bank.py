@@ -180,9 +180,13 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
 
 
 @contextmanager
-def passage_cache(encoder: Encoder, cache: str | Path | None = None) -> Iterator[PassageCache]:
+def passage_cache(encoder: Encoder, cache: str | Path | None = None) -> Iterator[PassageCache | None]:
     """`encoder` answers passages from its cache under `<cache>/passages/` for the duration (a bank
-    build); the encoder is left without it afterwards, as it was loaded."""
+    build); the encoder is left without it afterwards, as it was loaded. An encoder without the hook
+    (any object with `encode_passages`, e.g. a user's own) builds uncached."""
+    if not hasattr(encoder, "passage_cache"):
+        yield None
+        return
     opened = PassageCache.for_encoder(cache_dir(cache) / "passages", encoder)
     previous, encoder.passage_cache = encoder.passage_cache, opened
     try:
