@@ -39,7 +39,8 @@ def prequential_table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         p = r["prequential"]
         hc = p["headroom_captured"]
-        out.append(f"| {r['name']} | {r['dataset']} · {r['retriever']} · {r.get('limit') or 'all'} | "
+        memories = "" if r.get("granularity", "turn") == "turn" else f" · {r['granularity']} memories"
+        out.append(f"| {r['name']} | {r['dataset']} · {r['retriever']}{memories} · {r.get('limit') or 'all'} | "
                    f"{overrides_text(r)} | {pct(p['retriever'])} → {pct(p['reranker'])} | {pct(p['lift'], True)} | "
                    f"{pct(p['lift_second_half'], True)} | {pct(p['ceiling_recall@20'])} | "
                    f"{'n/a' if hc is None else f'{100 * hc:.0f}%'} | {pct(p['promoting_selections'])}% |")
