@@ -21,9 +21,8 @@ import sys
 import time
 
 import torch
+from recall_query_encoder import locomo_turn_bank
 
-from rmm.data import load_dataset
-from rmm.eval.benchmark_bank import open_retriever
 from rmm.eval.retrieval import evaluate
 from rmm.memory.index import TorchIndex
 from rmm.types import Candidates
@@ -73,13 +72,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data-dir", help="benchmark data (default: $RMM_DATA_DIR / the shared data folder)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(args.threads)
-
-    dataset = load_dataset("locomo", data_dir=args.data_dir)
-    opened = open_retriever(args.encoder, dataset, "turn", device="cpu", progress=False)
-    bank, encoder = opened.retriever, opened.encoder
+    dataset, bank, encoder = locomo_turn_bank(args.encoder, args.data_dir, args.threads)
     assert encoder is not None
     texts = sorted({q.text for q in dataset.questions})
     with torch.inference_mode():

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import logging
 import os
 import random
 import sys
 import warnings
 
 import torch
+from recall_query_encoder import locomo_turn_bank
 
-from rmm.data import load_dataset
-from rmm.eval.benchmark_bank import open_retriever
 from rmm.eval.retrieval import evaluate
 from rmm.serve.query_encoder import Int8QueryEncoder
 
@@ -72,13 +70,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", help="benchmark data (default: $RMM_DATA_DIR / the shared data folder)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(args.threads)
-
-    dataset = load_dataset("locomo", data_dir=args.data_dir)
-    opened = open_retriever("minilm", dataset, "turn", device="cpu", progress=False)
-    bank, encoder = opened.retriever, opened.encoder
+    dataset, bank, encoder = locomo_turn_bank("minilm", args.data_dir, args.threads)
     questions = dataset.questions
     texts = list(dict.fromkeys(q.text for q in questions))
     paths = {"float32": encoder, "int8": Int8QueryEncoder(encoder), "int8-per-tensor": per_tensor_int8(encoder)}

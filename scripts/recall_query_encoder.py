@@ -27,6 +27,16 @@ from rmm.eval.retrieval import evaluate
 from rmm.serve.query_encoder import Int8QueryEncoder
 
 
+def locomo_turn_bank(encoder_name: str, data_dir: str | None, threads: int):
+    """LoCoMo, its cached turn bank and encoder on the CPU, quietly: what every recall check here starts from."""
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(threads)
+    dataset = load_dataset("locomo", data_dir=data_dir)
+    opened = open_retriever(encoder_name, dataset, "turn", device="cpu", progress=False)
+    return dataset, opened.retriever, opened.encoder
+
+
 def seconds_per_query(encode, texts: list[str], batch: int = 32, repeats: int = 3) -> float:
     """Best of `repeats` passes over `texts` in batches of `batch`, per query."""
     best = float("inf")
@@ -46,13 +56,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data-dir", help="benchmark data (default: $RMM_DATA_DIR / the shared data folder)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(args.threads)
-
-    dataset = load_dataset("locomo", data_dir=args.data_dir)
-    opened = open_retriever(args.encoder, dataset, "turn", device="cpu", progress=False)
-    bank, encoder = opened.retriever, opened.encoder
+    dataset, bank, encoder = locomo_turn_bank(args.encoder, args.data_dir, args.threads)
     assert encoder is not None
     int8 = Int8QueryEncoder(encoder)
     reports = {}

@@ -173,6 +173,15 @@ def open_selections(location: str | Path, ttl_s: float) -> Selections:
     return SelectionStore(location, ttl_s)
 
 
+def require_embeddings(selections: list[PendingSelection]) -> None:
+    """Refuse a selection stored without the candidate embeddings it was scored with: its update
+    would have to re-read them from the store, which may have changed since."""
+    for s in selections:
+        if s.embeddings is None:
+            raise ValueError(f"selection {s.id!r} has no candidate embeddings; its update would have to "
+                             "re-read them from the store")
+
+
 class SelectionStore:
     """Thread-safe: one connection guarded by a lock (the batch worker writes, handlers claim)."""
 
@@ -197,10 +206,7 @@ class SelectionStore:
         """Persist a batch's selections in one transaction (one commit per batch, not per query)."""
         if not selections:
             return
-        for s in selections:
-            if s.embeddings is None:
-                raise ValueError(f"selection {s.id!r} has no candidate embeddings; its update would have to "
-                                 "re-read them from the store")
+        require_embeddings(selections)
         rows = [_row(s) for s in selections]
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")

@@ -31,6 +31,7 @@ from rmm.serve.pending import (
     _mask_blob,
     _tensor,
     refuse_unusable,
+    require_embeddings,
     unknown_selection,
 )
 
@@ -73,10 +74,7 @@ class PgSelectionStore:
             return
         from psycopg.types.json import Jsonb
 
-        for s in selections:
-            if s.embeddings is None:
-                raise ValueError(f"selection {s.id!r} has no candidate embeddings; its update would have to "
-                                 "re-read them from the store")
+        require_embeddings(selections)
         rows = [(s.id, s.tenant, s.user_id, s.reranker_key, s.query, Jsonb(list(s.memory_ids)), Jsonb(list(s.chosen)),
                  bool(s.explore), _blob(s.query_embedding), _blob(s.scores), _blob(s.logp), _blob(s.noise),
                  _blob(s.embeddings), None if s.tau is None else float(s.tau),
