@@ -90,3 +90,13 @@ def test_bad_baseline_is_rejected_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--baseline", "half"])
     assert "expected a number or 'mean'" in capsys.readouterr().err
+
+
+def test_train_learns_over_session_memories_when_asked(tiny_data_dir, tmp_path, capsys):
+    out = tmp_path / "train.json"
+    assert main(["train", "--data-dir", str(tiny_data_dir), "--json", str(out), "--k", "2", "--m", "1",
+                 "--heldout", "0.34", "--granularity", "session"]) == 0
+    report = json.loads(out.read_text())
+    assert report["granularity"] == "session"
+    assert "recall@5" in report["reranker_heldout"]
+    assert "session memories" in capsys.readouterr().out

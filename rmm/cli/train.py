@@ -51,7 +51,11 @@ def _baseline(value: str) -> float | str:
 
 def add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="locomo")
-    p.add_argument("--retriever", default=DEFAULT_RETRIEVER, help="encoder preset or folder (dense only)")
+    p.add_argument("--retriever", default=DEFAULT_RETRIEVER,
+                   help="encoder preset or folder, or hybrid[:DENSE] (BM25 + dense; bm25 alone has no embeddings)")
+    p.add_argument("--granularity", choices=("turn", "session", "topic"), default="turn",
+                   help="memories the reranker learns over: turns (default), whole sessions, or topic memories "
+                        "built by prospective reflection's non-LLM fallback; recall counts gold turns they hold")
     p.add_argument("--citer", type=trainable_citer, default="simulated",
                    help="who cites: simulated (default; labelled in every output) or a real generator, "
                         "openai:URL@MODEL (e.g. a vllm serve server), vllm:PATH or hf:PATH")
@@ -131,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from rmm.training.online import OnlineTrainer, plot
 
     dataset = load_benchmark(args)
-    opened = open_retriever(args.retriever, dataset, "turn", cache=args.cache_dir, device=args.device,
+    opened = open_retriever(args.retriever, dataset, args.granularity, cache=args.cache_dir, device=args.device,
                             batch_size=args.batch_size, store=args.store)
     if opened.encoder is None:
         raise RmmError(f"the reranker needs a dense retriever (embeddings); {args.retriever!r} has none")
@@ -146,11 +150,12 @@ def run(args: argparse.Namespace) -> int:
         wandb_run.summary.update({"reranker_prequential": report.reranker_prequential,
                                   "reranker_heldout": report.reranker_heldout, "generation": report.generation})
         wandb_run.finish()
-    print_figures(train_figures(report, args.retriever), console)
+    label = args.retriever if args.granularity == "turn" else f"{args.retriever} ({args.granularity} memories)"
+    print_figures(train_figures(report, label), console)
     _print_cited_ratio(report.cited_ratio, elapsed)
     _print_generation(report)
     console.print(f"[dim]{report.split}[/dim]")
-    write_json(args.json, report.to_json())
+    write_json(args.json, {**report.to_json(), "granularity": args.granularity})
     if args.plot:
         console.print(f"plot: {plot(report, args.plot)}")
     return 0
