@@ -15,7 +15,7 @@ import rmm.policy.registry as registry_module
 from rmm.errors import DimensionMismatchError, EncoderMismatchError
 from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.registry import SHARED, LearnerRegistry
-from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.reranker import LEXICAL_INIT, ResidualLinearReranker
 from rmm.types import Candidates
 
 D, K, M = 8, 6, 2
@@ -40,6 +40,15 @@ def weights(learner: Learner) -> list[torch.Tensor]:
     return [p.detach().clone() for p in learner.reranker.parameters()]
 
 
+def untrained(learner: Learner) -> bool:
+    """The residual maps are zero (Eq. 1 starts at the retriever's order) and the lexical weight, if
+    any, is at its starting value."""
+    reranker = learner.reranker
+    residual_zero = all(not p.any() for name, p in reranker.named_parameters() if name != "lexical_weight")
+    lexical = reranker.lexical_weight
+    return residual_zero and (lexical is None or torch.equal(lexical.detach(), torch.tensor(LEXICAL_INIT)))
+
+
 def user_folder(root: Path, key: str, subdir: str = "users") -> Path:
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in key)[:48]
     return root / subdir / f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
@@ -50,7 +59,7 @@ def test_fresh_learner_then_the_saved_one_is_loaded(tmp_path: Path) -> None:
     first = registry(tmp_path / "ck")
     fresh = first.get("alice")
     assert fresh.stats.records == 0 and fresh.encoder_name == "toy-enc" and fresh.config == CONFIG
-    assert all(not p.any() for p in fresh.reranker.parameters())  # zero-initialised: the retriever's order
+    assert untrained(fresh)  # zero-initialised residual: the retriever's order
     teach(fresh, 5)  # two updates, one record pending
     assert first.save() == 1
 
@@ -68,7 +77,7 @@ def test_keys_are_isolated(tmp_path: Path) -> None:
     assert a is reg.get("a") and a is not b and a.reranker is not b.reranker
     teach(a, 4)
     assert a.stats.step == 2
-    assert b.stats.records == 0 and all(not p.any() for p in b.reranker.parameters())
+    assert b.stats.records == 0 and untrained(b)
     assert list(reg) == ["a", "b"] and len(reg) == 2 and "a" in reg and "c" not in reg
 
 
@@ -210,10 +219,10 @@ def test_concurrent_first_use_makes_one_learner_per_key(monkeypatch: pytest.Monk
     made = []
 
     class SlowReranker(ResidualLinearReranker):
-        def __init__(self, dim: int, **options: object) -> None:
+        def __init__(self, dim: int, *options: object, **named: object) -> None:
             made.append(dim)
             time.sleep(0.02)  # widen the window in which an unguarded `get` would build twice
-            super().__init__(dim, **options)
+            super().__init__(dim, *options, **named)
 
     monkeypatch.setattr(registry_module, "ResidualLinearReranker", SlowReranker)
     reg = registry(None)
