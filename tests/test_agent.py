@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -52,11 +53,18 @@ def cite_mentions(word: str) -> Callable[[list[str]], str]:
     return answer
 
 
-@pytest.fixture
-def bank(tmp_path: Path):
-    with MemoryBank(tmp_path / "bank", BagOfWordsEncoder(), device="cpu") as b:
+@contextmanager
+def facts_bank(path: Path) -> Iterator[MemoryBank]:
+    """A bank holding Ana's FACTS as topic memories (bag-of-words encoder: shared words → near)."""
+    with MemoryBank(path, BagOfWordsEncoder(), device="cpu") as b:
         b.add("ana", [Memory(id=f"f{i}", user_id="ana", kind="topic", text=t, refs=[f"s:{i}"])
                       for i, t in enumerate(FACTS)])
+        yield b
+
+
+@pytest.fixture
+def bank(tmp_path: Path):
+    with facts_bank(tmp_path / "bank") as b:
         yield b
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from fakes import BagOfWordsEncoder
-from test_agent import FACTS, ScriptedLLM, cite_mentions
+from test_agent import ScriptedLLM, cite_mentions, facts_bank
 
 from rmm.errors import RmmError
 from rmm.frontends.agent import Agent
@@ -22,9 +22,7 @@ from rmm.types import Memory
 
 @pytest.fixture
 def bank(tmp_path: Path):
-    with MemoryBank(tmp_path / "bank", BagOfWordsEncoder(), device="cpu") as b:
-        b.add("ana", [Memory(id=f"f{i}", user_id="ana", kind="topic", text=t, refs=[f"s:{i}"])
-                      for i, t in enumerate(FACTS)])
+    with facts_bank(tmp_path / "bank") as b:
         yield b
 
 
