@@ -37,7 +37,7 @@ from rmm.policy.recipes import (
     recipe_config,
     recipe_for,
 )
-from rmm.policy.reranker import ResidualLinearReranker
+from rmm.policy.reranker import PolicyTaps, ResidualLinearReranker
 from rmm.policy.rewarded import RewardedSelection, rewarded, stack_rewarded
 from rmm.policy.sampling import paper_literal_logp, plackett_luce_logp
 from rmm.types import Candidates, Selection
@@ -130,6 +130,8 @@ class Learner:
         self._warned_tau: set[float] = set()
         self.last_log_ratio: Tensor | None = None  # log π_θ/μ of each selection in the last `loss`
         self.optimizer = _make_optimizer(self.config, _param_groups(self.reranker, self.config.lr))
+        self._grad_buffers: tuple[Tensor, Tensor] | None = None  # W_q's and W_m's gradients (`_backward`)
+        self._taps: list[PolicyTaps] | None = None
 
     @property
     def dim(self) -> int:
@@ -226,12 +228,20 @@ class Learner:
         truncated importance ratio (1 with `importance=False`; divided by the batch's mean with
         `is_normalize`); `last_log_ratio` keeps log π_θ/μ.
         """
+        return self._loss(batch, self._taps)
+
+    def _loss(self, batch: list[RewardedSelection], taps: list[PolicyTaps] | None) -> Tensor:
+        """`loss`; with a `taps` list, scored through `tapped_policy_scores` (its taps appended)."""
         self.last_log_ratio = None
         if not batch or max(p.memories.shape[0] for p in batch) == 0 or max(p.chosen.numel() for p in batch) == 0:
             return (self.reranker.W_q.weight.sum() + self.reranker.W_m.weight.sum()) * 0.0
         paper = self.config.estimator == "paper"
         t = stack_rewarded(batch, paper).to(self.device)
-        scores = self.reranker.policy_scores(t.queries, t.memories, t.lexical)
+        if taps is None:
+            scores = self.reranker.policy_scores(t.queries, t.memories, t.lexical)
+        else:
+            scores, tap = self.reranker.tapped_policy_scores(t.queries, t.memories, t.lexical)
+            taps.append(tap)
         logits = scores / t.taus.unsqueeze(-1)  # each selection at the τ it was sampled at
         pl_logp = plackett_luce_logp(logits, t.chosen, 1.0, t.mask)
         if paper:
@@ -261,12 +271,16 @@ class Learner:
         batch, self._buffer = self._buffer, []
         self.stats.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(batch)
+        self._taps = taps = []  # `loss` scores through the taps while an update runs (`_backward`)
+        try:
+            loss = self.loss(batch)
+        finally:
+            self._taps = None
         self._count(batch)
         value = float(loss.detach())
         if not math.isfinite(value):
             return self._skip_nonfinite(f"loss is {value}")
-        loss.backward()
+        self._backward(loss, taps[0] if taps else None)
         grads = [p.grad for p in self.reranker.parameters() if p.grad is not None]
         # One reduction instead of an elementwise isfinite per d×d gradient: a sum is NaN/inf
         # whenever any element is (or when finite values overflow — worth skipping as well).
@@ -281,6 +295,21 @@ class Learner:
         self.reranker.version = self.stats.step
         self.stats.last_loss = value
         return value
+
+    def _backward(self, loss: Tensor, tap: PolicyTaps | None) -> None:
+        """`loss.backward()`, the two d×d gradients written into buffers kept between updates
+        (`weight_grads`; set as `.grad` until the step is over) instead of allocated afresh."""
+        if tap is None:  # an empty batch's loss does not go through the taps
+            loss.backward()
+            return
+        wq, wm, w = self.reranker.W_q.weight, self.reranker.W_m.weight, self.reranker.lexical_weight
+        grads = torch.autograd.grad(loss, [tap.lin, tap.mmo] + ([w] if w is not None else []), allow_unused=True)
+        if self._grad_buffers is None or self._grad_buffers[0].device != wq.device:
+            self._grad_buffers = (torch.empty_like(wq), torch.empty_like(wm))
+        self.reranker.weight_grads(tap, grads[0], grads[1], *self._grad_buffers)
+        wq.grad, wm.grad = self._grad_buffers
+        if w is not None:
+            w.grad = grads[2]
 
     def _count(self, batch: list[RewardedSelection]) -> None:
         self.stats.reward_sum += float(sum(p.rewards.sum() for p in batch))

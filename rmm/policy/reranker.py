@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +44,7 @@ from rmm.errors import DimensionMismatchError
 from rmm.kernels.dispatch import rerank
 from rmm.types import Candidates, Selection
 
-__all__ = ["LEXICAL_INIT", "ResidualLinearReranker", "candidate_subset", "stack_candidates", "stack_lexical"]
+__all__ = ["LEXICAL_INIT", "PolicyTaps", "ResidualLinearReranker", "candidate_subset", "stack_candidates", "stack_lexical"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,16 @@ def _allowed(candidates: Sequence[Candidates], padding: Tensor,
     return allowed
 
 
+@dataclass
+class PolicyTaps:
+    """The intermediate products of `tapped_policy_scores` whose gradients give the weights'."""
+
+    queries: Tensor  # [B, d] the input queries
+    lin: Tensor  # [B, d] q W_qᵀ, a leaf requiring grad
+    q: Tensor  # [B, d] q' = q + q W_qᵀ
+    mmo: Tensor  # [B, d] q' W_m
+
+
 class ResidualLinearReranker(nn.Module):
     """Eq. 1 with zero-initialised `W_q`, `W_m` (no bias: a bias would shift every score alike),
     plus the learned lexical weight `w` when `lexical_feature` (module docstring)."""
@@ -196,6 +207,29 @@ class ResidualLinearReranker(nn.Module):
         q = queries + self.W_q(queries)
         u = q + q @ self.W_m.weight
         return self._plus_lexical((memories @ u.unsqueeze(-1)).squeeze(-1), lexical)
+
+    def tapped_policy_scores(self, queries: Tensor, memories: Tensor,
+                             lexical: Tensor | None = None) -> tuple[Tensor, PolicyTaps]:
+        """`policy_scores` with the matrices detached and their two products exposed as taps.
+
+        Autograd on `policy_scores` allocates both d×d weight gradients afresh at every update;
+        with the taps' gradients (B×d each) `weight_grads` writes the same products into buffers
+        the caller keeps, which spares a memory-bound update the allocator's page faults.
+        """
+        wq, wm = self.W_q.weight.detach(), self.W_m.weight.detach()
+        lin = (queries @ wq.T).requires_grad_()  # = self.W_q(queries), a leaf
+        q = queries + lin
+        mmo = q @ wm  # = q @ self.W_m.weight
+        u = q + mmo
+        scores = self._plus_lexical((memories @ u.unsqueeze(-1)).squeeze(-1), lexical)
+        return scores, PolicyTaps(queries=queries, lin=lin, q=q, mmo=mmo)
+
+    @staticmethod
+    def weight_grads(taps: PolicyTaps, grad_lin: Tensor, grad_mmo: Tensor, out_q: Tensor, out_m: Tensor) -> None:
+        """`∂L/∂W_q` and `∂L/∂W_m` from the taps' gradients, as autograd forms them (`gᵀx` for a
+        linear layer, `qᵀg` for `q @ W_m`), written into `out_q` and `out_m`."""
+        torch.mm(grad_lin.T, taps.queries, out=out_q)
+        torch.mm(taps.q.detach().T, grad_mmo, out=out_m)
 
     # ---- inference path ------------------------------------------------------------------
     def query_matrix(self) -> Tensor:
