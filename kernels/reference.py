@@ -18,6 +18,7 @@ that finds no valid candidate left is `-1` with log-probability 0; ties go to th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ _PHILOX_ROUND_B = 0xCD9E8D57
 _PHILOX_ROUNDS = 10
 # Triton's uint_to_uniform_float scale: the largest value with (2**31 - 1) * scale < 1 in float32.
 _UNIFORM_SCALE = 4.6566127342e-10
+_TINY32, _EPS32 = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).eps
 
 
 @dataclass
@@ -118,7 +120,8 @@ def stream_gumbel(
     """
     draw_device = generator.device if generator is not None else device
     u = torch.rand((batch, k), generator=generator, device=draw_device, dtype=torch.float32)
-    g = gumbel_from_uniform(u)
+    # gumbel_from_uniform in place on the fresh draws: the same values, no temporaries
+    g = u.clamp_(min=_TINY32, max=1.0 - _EPS32).log_().neg_().log_().neg_()
     if device is not None and g.device != torch.device(device):
         g = g.to(device)
     return g
@@ -130,10 +133,13 @@ def gather_scores(queries: Tensor, bank: Tensor, ids: Tensor) -> Tensor:
 
     The reference may materialise the gathered `[B, K, d]` block; only the kernel must not.
     """
-    valid = ids >= 0
+    return _gather_scores(queries, bank, ids, ids < 0)
+
+
+def _gather_scores(queries: Tensor, bank: Tensor, ids: Tensor, padding: Tensor) -> Tensor:
     gathered = bank[ids.clamp(min=0)].float()  # [B, K, d]
     scores = (gathered @ queries.float().unsqueeze(-1)).squeeze(-1)
-    return scores.masked_fill(~valid, float("-inf"))
+    return scores.masked_fill_(padding, float("-inf"))
 
 
 def select_top_m(keys: Tensor, m: int) -> Tensor:
@@ -154,23 +160,26 @@ def select_top_m(keys: Tensor, m: int) -> Tensor:
 def plackett_luce_picks_logp(scores: Tensor, picks: Tensor, tau: float) -> Tensor:
     """`log π_j = s[c_j]/τ − logsumexp(s/τ over valid candidates not yet picked)`; 0 where c_j = -1.
 
-    Padding is whatever scores `-inf`; picks equal to -1 remove nothing and score 0.
+    Padding is whatever scores `-inf`; picks equal to -1 remove nothing and score 0. The picks
+    are distinct, so what is left before pick j is the never-picked candidates plus picks j..M−1:
+    all M normalisers come from one logsumexp and one reverse logcumsumexp over the picks, instead
+    of a masked `[M, K]` row per pick (fewer, smaller ops: most of a CPU turn is per-op overhead).
     """
     k = scores.shape[-1]
     logits = scores.float() / tau
     has = picks >= 0
-    safe = picks.clamp(min=0)
-    picked = torch.nn.functional.one_hot(safe, num_classes=max(k, 1))[..., :k].to(torch.bool)
-    picked = picked & has.unsqueeze(-1)  # [B, M, K]
-    removed = (picked.cumsum(-2) - picked.to(torch.long)) > 0
-    available = ~removed & (logits > float("-inf")).unsqueeze(-2)
-    rows = logits.unsqueeze(-2).expand(available.shape)
-    rows = torch.where(available, rows, torch.full_like(rows, float("-inf")))
-    empty = ~available.any(-1, keepdim=True)
-    rows = torch.where(empty, torch.zeros_like(rows), rows)
-    normaliser = torch.logsumexp(rows, dim=-1)  # [B, M]
-    picked_logits = logits.gather(-1, safe) if k else torch.zeros_like(normaliser)
-    return torch.where(has, picked_logits - normaliser, torch.zeros_like(normaliser))
+    if k == 0 or picks.shape[-1] == 0:
+        return torch.zeros(picks.shape, dtype=torch.float32, device=scores.device)
+    neg_inf = float("-inf")
+    picked_logits = logits.gather(-1, picks.clamp(min=0)).masked_fill_(~has, neg_inf)  # [B, M]
+    # never picked: the picks' slots set to -inf (a -1 pick writes into an extra, already -inf column)
+    never = torch.nn.functional.pad(logits, (0, 1), value=neg_inf).scatter_(-1, picks.masked_fill(~has, k), neg_inf)
+    left = torch.logsumexp(never, dim=-1, keepdim=True)  # [B, 1]
+    still = torch.logcumsumexp(picked_logits.flip(-1), dim=-1).flip(-1)  # picks j..M-1, [B, M]
+    normaliser = torch.logaddexp(left, still)
+    # nothing left at all (only for invalid picks): the old per-pick rows' placeholder, log K
+    normaliser = normaliser.masked_fill_(normaliser == neg_inf, math.log(k))
+    return torch.where(has, picked_logits - normaliser, 0.0)
 
 
 def rerank_reference(
@@ -191,13 +200,14 @@ def rerank_reference(
     `generator` (the global RNG when None).
     """
     batch, k = ids.shape
-    scores = gather_scores(queries, bank, ids)
+    padding = ids < 0
+    scores = _gather_scores(queries, bank, ids, padding)
     if explore:
         if noise is None:
             noise = (seeded_gumbel(seed, batch, k, device=scores.device) if seed is not None
                      else stream_gumbel(batch, k, generator, device=scores.device))
         noise = noise.to(scores.device, torch.float32)
-        keys = (scores / tau + noise).masked_fill(ids < 0, float("-inf"))
+        keys = (scores / tau).add_(noise).masked_fill_(padding, float("-inf"))
     else:
         noise = None
         keys = scores

@@ -270,7 +270,7 @@ class Learner:
     def _update(self) -> float | None:
         batch, self._buffer = self._buffer, []
         self.stats.updates += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        self._clear_grads()
         self._taps = taps = []  # `loss` scores through the taps while an update runs (`_backward`)
         try:
             loss = self.loss(batch)
@@ -289,12 +289,18 @@ class Learner:
         if self.config.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.reranker.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._clear_grads()
         self.reranker.invalidate()
         self.stats.step += 1
         self.reranker.version = self.stats.step
         self.stats.last_loss = value
         return value
+
+    def _clear_grads(self) -> None:
+        """`optimizer.zero_grad(set_to_none=True)` without its profiler and dynamo wrappers (~60 µs a call)."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
     def _backward(self, loss: Tensor, tap: PolicyTaps | None) -> None:
         """`loss.backward()`, the two d×d gradients written into buffers kept between updates
@@ -325,7 +331,7 @@ class Learner:
         self.stats.staleness_count += len(stale)
 
     def _skip_nonfinite(self, why: str) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self._clear_grads()
         self.stats.skipped_nonfinite += 1
         log.warning("reranker update skipped (%s); parameters unchanged", why)
 

@@ -307,7 +307,8 @@ class ResidualLinearReranker(nn.Module):
         weight = self.W_q.weight
         queries, memories, mask = stack_candidates(candidates, self.dim, weight.device, weight.dtype)
         allowed = _allowed(candidates, mask, exclude)
-        counts = allowed.sum(-1).tolist()
+        # without exclusions a row's allowed candidates are its real ones: no reduction needed
+        counts = [len(c) for c in candidates] if exclude is None else allowed.sum(-1).tolist()
         k_max = memories.shape[1]
         m_batch = min(m, max(counts, default=0))
         lexical = None if self.lexical_weight is None else stack_lexical(candidates, k_max, weight.device, weight.dtype)
@@ -328,7 +329,9 @@ class ResidualLinearReranker(nn.Module):
                 memories = torch.cat([memories, lexical.unsqueeze(-1)], -1)
             bank = memories.reshape(-1, memories.shape[-1])
             slots = torch.arange(bank.shape[0], device=bank.device).view(memories.shape[:2])
-            ranked = rerank(transformed, bank, slots.masked_fill(~mask, -1), m_batch,
+            if min(len(c) for c in candidates) < k_max:  # short rows: their padding is id -1
+                slots = slots.masked_fill(~mask, -1)
+            ranked = rerank(transformed, bank, slots, m_batch,
                             tau if explore else 1.0, explore=explore, generator=generator,
                             mask=None if exclude is None else allowed)
             scores, chosen = ranked.scores.cpu(), ranked.indices.cpu()
