@@ -167,13 +167,14 @@ def plackett_luce_picks_logp(scores: Tensor, picks: Tensor, tau: float) -> Tenso
     """
     k = scores.shape[-1]
     logits = scores.float() / tau
-    has = picks >= 0
     if k == 0 or picks.shape[-1] == 0:
         return torch.zeros(picks.shape, dtype=torch.float32, device=scores.device)
+    has = picks >= 0
+    none = ~has
     neg_inf = float("-inf")
-    picked_logits = logits.gather(-1, picks.clamp(min=0)).masked_fill_(~has, neg_inf)  # [B, M]
+    picked_logits = logits.gather(-1, picks.clamp(min=0)).masked_fill_(none, neg_inf)  # [B, M]
     # never picked: the picks' slots set to -inf (a -1 pick writes into an extra, already -inf column)
-    never = torch.nn.functional.pad(logits, (0, 1), value=neg_inf).scatter_(-1, picks.masked_fill(~has, k), neg_inf)
+    never = torch.nn.functional.pad(logits, (0, 1), value=neg_inf).scatter_(-1, picks.masked_fill(none, k), neg_inf)
     left = torch.logsumexp(never, dim=-1, keepdim=True)  # [B, 1]
     still = torch.logcumsumexp(picked_logits.flip(-1), dim=-1).flip(-1)  # picks j..M-1, [B, M]
     normaliser = torch.logaddexp(left, still)

@@ -81,9 +81,13 @@ def stack_candidates(
             )
     batch = len(candidates)
     k_max = max((len(c) for c in candidates), default=0)
-    queries = torch.stack([c.query_embedding.reshape(dim) for c in candidates]).to(device, dtype)
+    if batch == 1:  # a view, not a copy (nothing writes into the stacked tensors)
+        queries = candidates[0].query_embedding.reshape(1, dim).to(device, dtype)
+    else:
+        queries = torch.stack([c.query_embedding.reshape(dim) for c in candidates]).to(device, dtype)
     if all(len(c) == k_max for c in candidates):
-        memories = torch.stack([c.embeddings for c in candidates]).to(device, dtype)
+        memories = (candidates[0].embeddings.unsqueeze(0) if batch == 1
+                    else torch.stack([c.embeddings for c in candidates])).to(device, dtype)
         mask = torch.ones(batch, k_max, dtype=torch.bool, device=device)
         return queries, memories, mask
     memories = torch.zeros(batch, k_max, dim, device=device, dtype=dtype)
@@ -262,13 +266,14 @@ class ResidualLinearReranker(nn.Module):
                 return queries @ self._folded[1]
             if self._served[0] != key:
                 self._served = (key, 0)
-            served = self._served[1] + queries.reshape(-1, self.dim).shape[0]
+            served = self._served[1] + queries.numel() // self.dim
             self._served = (key, served)
             if served >= max(1, self.dim // 2):
                 self._folded = (key, self.query_matrix().to(queries.device, queries.dtype))
                 return queries @ self._folded[1]
-            wq = self.W_q.weight.to(queries.device, queries.dtype)
-            wm = self.W_m.weight.to(queries.device, queries.dtype)
+            wq, wm = self.W_q.weight, self.W_m.weight
+            if wq.device != queries.device or wq.dtype != queries.dtype:
+                wq, wm = wq.to(queries.device, queries.dtype), wm.to(queries.device, queries.dtype)
             transformed = queries + queries @ wq.T
             return transformed + transformed @ wm
 

@@ -111,16 +111,15 @@ def plackett_luce_logp(
     k = scores.shape[-1]
     chosen = chosen.long()
     logits = scores / tau
-    # removed[..., j, :] marks items picked strictly before pick j.
-    picked = torch.nn.functional.one_hot(chosen, num_classes=k).to(torch.bool)  # [..., M, K]
-    removed = (picked.cumsum(-2) - picked.to(torch.long)) > 0
-    available = ~removed
+    # removed[..., j, :] marks items picked strictly before pick j (scalar fills broadcast: fewer ops,
+    # the same values and gradients as full-size fill tensors).
+    picked = torch.nn.functional.one_hot(chosen, num_classes=k)  # [..., M, K] long
+    available = (picked.cumsum(-2) - picked) == 0
     if mask is not None:
         available = available & mask.unsqueeze(-2)
-    rows = logits.unsqueeze(-2).expand(available.shape)
     empty = ~available.any(-1, keepdim=True)
-    rows = torch.where(available, rows, torch.full_like(rows, float("-inf")))
-    rows = torch.where(empty, torch.zeros_like(rows), rows)
+    rows = torch.where(available, logits.unsqueeze(-2), float("-inf"))
+    rows = torch.where(empty, 0.0, rows)
     normaliser = torch.logsumexp(rows, dim=-1)  # [..., M]
     picked_logits = _masked(logits, mask).gather(-1, chosen)
     return picked_logits - normaliser
