@@ -97,17 +97,15 @@ def rewards_from_citations(n_shown: int, cited: list[int] | None, no_cite: bool 
     """
     if isinstance(n_shown, bool) or not isinstance(n_shown, int) or n_shown < 0:
         raise ValueError(f"n_shown must be a non-negative int, got {n_shown!r}")
-    rewards = torch.full((n_shown,), -1.0)
     if no_cite:
-        return rewards
+        return torch.full((n_shown,), -1.0)
     if cited is None:
         return None
     for index in cited:
-        if 0 <= index < n_shown:
-            rewards[index] = 1.0
-        else:
+        if not 0 <= index < n_shown:
             log.warning("ignoring cited index %s outside [0, %d)", index, n_shown)
-    return rewards
+    hits = set(cited)
+    return torch.tensor([1.0 if i in hits else -1.0 for i in range(n_shown)])  # one op, not one per citation
 
 
 class Learner:

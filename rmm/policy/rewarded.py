@@ -104,13 +104,13 @@ def rewarded(selection: Selection, rewards: Tensor, dim: int, tau: float) -> Rew
         if not all(mask[i] for i in selection.chosen):
             raise ValueError(f"selection.chosen {selection.chosen} picks a masked-out candidate")
     chosen = torch.tensor(selection.chosen, dtype=torch.long)
-    noise = None if selection.noise is None else selection.noise.detach().float().reshape(-1).cpu()
-    lexical = None if c.lexical is None else c.lexical.detach().float().reshape(-1).cpu()
+    noise = None if selection.noise is None else _cpu_float(selection.noise, -1)
+    lexical = None if c.lexical is None else _cpu_float(c.lexical, -1)
     if lexical is not None and lexical.numel() != k:
         raise ValueError(f"the candidates' lexical feature has {lexical.numel()} entries for {k} candidates")
     return RewardedSelection(
-        query=c.query_embedding.detach().float().reshape(dim).cpu(),
-        memories=c.embeddings.detach().float().reshape(k, dim).cpu(),
+        query=_cpu_float(c.query_embedding, dim),
+        memories=_cpu_float(c.embeddings, k, dim),
         chosen=chosen,
         rewards=rewards,
         noise=noise,
@@ -122,16 +122,26 @@ def rewarded(selection: Selection, rewards: Tensor, dim: int, tau: float) -> Rew
     )
 
 
+def _cpu_float(t: Tensor, *shape: int) -> Tensor:
+    """`t.detach().float().reshape(*shape).cpu()`, skipping the conversions that would be no-ops
+    (a record converts six tensors; each skipped call is a dispatcher round trip per turn)."""
+    t = t.detach()
+    if t.dtype != torch.float32:
+        t = t.float()
+    t = t.reshape(shape)
+    return t if t.device.type == "cpu" else t.cpu()
+
+
 def behaviour_logp(selection: Selection, chosen: Tensor, tau: float, mask: Tensor | None) -> Tensor:
     """log μ per pick: as the sampler recorded it, else from the scores it sampled with (the same
     Plackett–Luce log-probability under `scores/τ`)."""
     m = chosen.numel()
     if selection.logp is not None:
-        logp = selection.logp.detach().float().reshape(-1).cpu()
+        logp = _cpu_float(selection.logp, -1)
         if logp.numel() != m:
             raise ValueError(f"selection.logp has {logp.numel()} entries for {m} picks")
     else:
-        scores = selection.scores.detach().float().reshape(-1).cpu()
+        scores = _cpu_float(selection.scores, -1)
         if scores.numel() != len(selection.candidates.memory_ids):
             raise ValueError(f"selection.scores has {scores.numel()} entries for "
                              f"{len(selection.candidates.memory_ids)} candidates")
