@@ -137,8 +137,8 @@ def gather_scores(queries: Tensor, bank: Tensor, ids: Tensor) -> Tensor:
 
 
 def _gather_scores(queries: Tensor, bank: Tensor, ids: Tensor, padding: Tensor) -> Tensor:
-    gathered = bank[ids.clamp(min=0)].float()  # [B, K, d]
-    scores = (gathered @ queries.float().unsqueeze(-1)).squeeze(-1)
+    gathered = _float32(bank[ids.clamp(min=0)])  # [B, K, d]
+    scores = (gathered @ _float32(queries).unsqueeze(-1)).squeeze(-1)
     return scores.masked_fill_(padding, float("-inf"))
 
 
@@ -157,6 +157,11 @@ def select_top_m(keys: Tensor, m: int) -> Tensor:
     return picks
 
 
+def _float32(t: Tensor) -> Tensor:
+    """`t.float()`, skipping the call when it would return `t` (a turn's ops are mostly overhead)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def plackett_luce_picks_logp(scores: Tensor, picks: Tensor, tau: float) -> Tensor:
     """`log π_j = s[c_j]/τ − logsumexp(s/τ over valid candidates not yet picked)`; 0 where c_j = -1.
 
@@ -166,7 +171,7 @@ def plackett_luce_picks_logp(scores: Tensor, picks: Tensor, tau: float) -> Tenso
     of a masked `[M, K]` row per pick (fewer, smaller ops: most of a CPU turn is per-op overhead).
     """
     k = scores.shape[-1]
-    logits = scores.float() / tau
+    logits = _float32(scores) / tau
     if k == 0 or picks.shape[-1] == 0:
         return torch.zeros(picks.shape, dtype=torch.float32, device=scores.device)
     has = picks >= 0
@@ -207,7 +212,8 @@ def rerank_reference(
         if noise is None:
             noise = (seeded_gumbel(seed, batch, k, device=scores.device) if seed is not None
                      else stream_gumbel(batch, k, generator, device=scores.device))
-        noise = noise.to(scores.device, torch.float32)
+        if noise.device != scores.device or noise.dtype != torch.float32:
+            noise = noise.to(scores.device, torch.float32)
         keys = (scores / tau).add_(noise).masked_fill_(padding, float("-inf"))
     else:
         noise = None

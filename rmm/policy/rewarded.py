@@ -73,6 +73,8 @@ class RewardedBatch:
     def to(self, device: torch.device) -> RewardedBatch:
         parts = (self.queries, self.memories, self.chosen, self.rewards, self.taus, self.behaviour_logp,
                  self.mask, self.pick_valid, self.noise, self.lexical)
+        if all(t is None or t.device == device for t in parts):  # the usual CPU learner: ten no-op calls
+            return self
         return RewardedBatch(*(None if t is None else t.to(device) for t in parts))
 
 
