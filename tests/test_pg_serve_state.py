@@ -289,6 +289,16 @@ def _row(cur, sid: str) -> PendingSelection:
     return _from_row(cur.execute(f"SELECT {_COLUMNS} FROM selections WHERE id = %s", (sid,)).fetchone())
 
 
+def test_a_replica_searches_with_the_configured_database_settings(tmp_path: Path, url: str) -> None:
+    a = make_replica(tmp_path, url, "a", database={"ef_search": 150, "exact_limit": 3})
+    try:
+        assert (a.bank.store.ef_search, a.bank.store.exact_limit) == (150, 3)
+        a.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])  # 6 memories > exact_limit: HNSW path
+        assert retrieve(a, "sourdough bread").memories
+    finally:
+        a.close()
+
+
 def test_when_the_learner_goes_another_replica_takes_over_and_learns_what_was_left(tmp_path: Path, url: str) -> None:
     a = make_replica(tmp_path, url, "a")
     wait_for(lambda: a.shared_learning.is_learner)

@@ -57,6 +57,8 @@ def test_api_keys_from_yaml_env_and_key_file(tmp_path: Path) -> None:
     ({"bank": "b", "learner": {"lr": -1}}, {}, "learner: lr must be > 0"),
     ({"bank": "b", "learner": {"speed": 1}}, {}, "learner: unknown key(s) ['speed']"),
     ({"bank": "b", "selection_ttl_s": 0}, {}, "selection_ttl_s must be > 0"),
+    ({"bank": "b", "database": {"ef_search": 200}}, {}, "database: settings for a postgresql:// store"),
+    ({"bank": "b", "store": "postgresql://u@h/db", "database": {"ef": 200}}, {}, "database: unknown key(s) ['ef']"),
     ({"bank": "b", "auth.keys": {"short": "t"}}, {}, "at least 8 characters"),
     ({"bank": "b", "auth.keys": {"long-enough-key": "bad:tenant"}}, {}, "tenant 'bad:tenant' must be"),
     ({"bank": "b"}, {"RMM_API_KEYS": "no-equals-sign"}, "$RMM_API_KEYS entry 1 is not KEY=TENANT"),
@@ -109,3 +111,11 @@ def test_rmm_serve_retriever_flag_reaches_the_config_and_refuses_unknown_kinds(t
     assert seen["retriever"] == "hybrid"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--retriever", "bm25"])
+
+
+def test_database_settings_reach_a_postgresql_bank_and_only_it() -> None:
+    pg = load_config(None, {"bank": "b", "store": "postgresql://u@h/db", "database": {"ef_search": 200, "exact_limit": 5}},
+                     environ={})
+    assert pg.index_options == {"ef_search": 200, "exact_limit": 5}
+    folder = load_config(None, {"bank": "b", "index_precision": "bfloat16"}, environ={})
+    assert folder.index_options == {"precision": "bfloat16"}

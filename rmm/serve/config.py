@@ -159,6 +159,9 @@ class ServeConfig:
     # with a postgresql:// store: how long a replica holds a claimed reflection job before another
     # may take it over (renewed every third of it while the job runs)
     job_lease_s: float = 60.0
+    # with a postgresql:// store: the database's search and pool settings (rmm.memory.bank.DATABASE_OPTIONS:
+    # exact_limit, ef_search, pool_min, pool_max, pool_timeout_s; PostgresStore's defaults when absent)
+    database: dict[str, Any] = field(default_factory=dict)
     llm: str | None = None
     reflection_speakers_exclude: list[str] = field(default_factory=lambda: ["assistant"])
     seed: int = 0
@@ -205,6 +208,14 @@ class ServeConfig:
         if self.index_precision != "float32" and (self.index_backend != "torch" or self.store):
             raise ConfigError(f"index_precision {self.index_precision!r} is for the torch index of a bank folder "
                               f"(index_backend is {self.index_backend!r}{', store is a database' if self.store else ''})")
+        if self.database:
+            from rmm.memory.bank import DATABASE_OPTIONS
+
+            if not self.store:
+                raise ConfigError("database: settings for a postgresql:// store, but `store` is empty (a bank folder)")
+            unknown = sorted(set(self.database) - set(DATABASE_OPTIONS))
+            if unknown:
+                raise ConfigError(f"database: unknown key(s) {unknown}; known: {list(DATABASE_OPTIONS)}")
         if self.k > self.limits.max_k:
             raise ConfigError(f"k={self.k} exceeds limits.max_k={self.limits.max_k}")
         self.batching.validate()
@@ -226,7 +237,10 @@ class ServeConfig:
 
     @property
     def index_options(self) -> dict[str, Any]:
-        """What the bank passes to its indexes (empty at float32, so existing index files stay valid)."""
+        """What the bank passes to its indexes (empty at float32, so existing index files stay valid), or
+        to its PostgreSQL store (the `database` section)."""
+        if self.store:
+            return dict(self.database)
         return {} if self.index_precision == "float32" else {"precision": self.index_precision}
 
     @property
