@@ -21,7 +21,7 @@ import sys
 import time
 
 import torch
-from recall_query_encoder import locomo_turn_bank
+from recall_query_encoder import drop_verdict, locomo_turn_bank
 
 from rmm.eval.retrieval import evaluate
 from rmm.memory.index import TorchIndex
@@ -110,9 +110,7 @@ def main() -> int:
         ms = 1000 * statistics.median(retriever.seconds)
         print(f"  {precision}: {ms:.3f} ms ({base_ms / ms:.2f}x float32); top-{max(args.ks)} ids differ from "
               f"float32 for {differ}/{len(base.results)} queries")
-    verdict = "within" if worst <= args.max_drop else "OVER"
-    print(f"largest recall drop {worst:+.2f} points: {verdict} the {args.max_drop} point budget")
-    return 0 if worst <= args.max_drop else 1
+    return drop_verdict(worst, args.max_drop)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,13 @@ def locomo_turn_bank(encoder_name: str, data_dir: str | None, threads: int):
     return dataset, opened.retriever, opened.encoder
 
 
+def drop_verdict(worst: float, max_drop: float) -> int:
+    """Print the largest recall drop against its budget; the exit status (0 within, 1 over)."""
+    verdict = "within" if worst <= max_drop else "OVER"
+    print(f"largest recall drop {worst:+.2f} points: {verdict} the {max_drop} point budget")
+    return 0 if worst <= max_drop else 1
+
+
 def seconds_per_query(encode, texts: list[str], batch: int = 32, repeats: int = 3) -> float:
     """Best of `repeats` passes over `texts` in batches of `batch`, per query."""
     best = float("inf")
@@ -83,9 +90,7 @@ def main() -> int:
     print(f"query cosine int8 vs float32: min {cosine.min():.4f}, mean {cosine.mean():.4f}")
     print(f"query encoding, batches of 32: float32 {1000 * speed['float32']:.2f} ms/query, "
           f"int8 {1000 * speed['int8']:.2f} ms/query ({speed['float32'] / speed['int8']:.2f}x)")
-    verdict = "within" if worst <= args.max_drop else "OVER"
-    print(f"largest recall drop {worst:+.2f} points: {verdict} the {args.max_drop} point budget")
-    return 0 if worst <= args.max_drop else 1
+    return drop_verdict(worst, args.max_drop)
 
 
 if __name__ == "__main__":
