@@ -6,6 +6,8 @@ the answer without crashing, whatever the model writes, within the paper's call 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,26 +18,35 @@ from rmm.frontends.agent import Agent
 from rmm.frontends.goal import GoalConfig, GoalFrontend
 from rmm.frontends.trace import GoalTrace
 from rmm.memory.bank import MemoryBank
+from rmm.types import Question
 
 pytestmark = pytest.mark.slow
 
 
-def test_smollm2_answers_a_multi_hop_locomo_question(tmp_path: Path, data_root: Path, minilm_path: Path,
-                                                     smollm2_gguf: Path) -> None:
+@contextmanager
+def smollm2_agent(tmp_path: Path, data_root: Path, smollm2_gguf: Path, *,
+                  dedup: bool = False) -> Iterator[tuple[Agent, Question]]:
+    """An agent answering with SmolLM2 over the first three sessions of the first multi-hop
+    question's conversation, as turn memories (CPU time), and that question."""
     from rmm.data import load_locomo
     from rmm.encoders import load_encoder
     from rmm.llm.hf import HFLLM
 
     llm = HFLLM(smollm2_gguf, device="cpu", threads=1)
-    dataset = load_locomo(data_root / "locomo" / "locomo10.json")
+    dataset = load_locomo(data_root / "locomo" / "locomo10.json", dedup=dedup)
     question = next(q for q in dataset.questions if q.category == 1)
     user = question.user_id
-    # the conversation's first three sessions as turn memories (CPU time)
     small = replace(dataset, sessions={user: dataset.sessions[user][:3]})
-    config = GoalConfig(b_max=1, d_max=1, budget=12, max_subgoals=3)
     with MemoryBank(tmp_path / "bank", load_encoder("minilm", device="cpu"), device="cpu") as bank:
         bank.add(user, documents(small, user, "turn"))
-        agent = Agent(bank, llm, k=10, m=3, checkpoint_every=0)
+        yield Agent(bank, llm, k=10, m=3, checkpoint_every=0), question
+
+
+def test_smollm2_answers_a_multi_hop_locomo_question(tmp_path: Path, data_root: Path, minilm_path: Path,
+                                                     smollm2_gguf: Path) -> None:
+    config = GoalConfig(b_max=1, d_max=1, budget=12, max_subgoals=3)
+    with smollm2_agent(tmp_path, data_root, smollm2_gguf) as (agent, question):
+        user = question.user_id
         response = GoalFrontend(agent, config).respond(user, question.text, remember=False)
         learner = agent.learner(user)
         assert learner.stats.records + learner.stats.skipped_no_citation == len(response.selections)

@@ -7,35 +7,22 @@ twice and never crediting a memory that was not retrieved.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_goal_smollm2 import smollm2_agent
 
-from rmm.eval.benchmark_bank import documents
-from rmm.frontends.agent import Agent
 from rmm.frontends.memr3 import MemR3Config, MemR3Frontend
 from rmm.frontends.memr3_trace import MemR3Trace
-from rmm.memory.bank import MemoryBank
 
 pytestmark = pytest.mark.slow
 
 
 def test_smollm2_runs_the_memr3_loop_on_a_locomo_question(tmp_path: Path, data_root: Path, minilm_path: Path,
                                                           smollm2_gguf: Path) -> None:
-    from rmm.data import load_locomo
-    from rmm.encoders import load_encoder
-    from rmm.llm.hf import HFLLM
-
-    llm = HFLLM(smollm2_gguf, device="cpu", threads=1)
-    dataset = load_locomo(data_root / "locomo" / "locomo10.json", dedup=True)
-    question = next(q for q in dataset.questions if q.category == 1)
-    user = question.user_id
-    small = replace(dataset, sessions={user: dataset.sessions[user][:3]})  # CPU time
     config = MemR3Config(n_max=2, n_chk=3, generate_tokens=200)
-    with MemoryBank(tmp_path / "bank", load_encoder("minilm", device="cpu"), device="cpu") as bank:
-        bank.add(user, documents(small, user, "turn"))
-        agent = Agent(bank, llm, k=10, m=3, checkpoint_every=0)
+    with smollm2_agent(tmp_path, data_root, smollm2_gguf, dedup=True) as (agent, question):
+        user = question.user_id
         response = MemR3Frontend(agent, config).respond(user, question.text, remember=False)
         learner = agent.learner(user)
         assert learner.stats.records + learner.stats.skipped_no_citation == len(response.selections)
