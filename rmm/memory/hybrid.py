@@ -131,32 +131,27 @@ class HybridRetriever:
                           queries: list[str] | None = None) -> list[Candidates]:
         """The dense half searched with given vectors (e.g. the reranker's learned `q @ A`), fused
         with BM25 over `queries`' text as `search` does; dense only when no text is given."""
-        self._check_k(k)
+        MemoryBank._check_k(k)
         if queries is None:
             return self.bank.search_embeddings(query_embs, user, k)
-        depth = max(k, self.depth)
-        dense = self.bank.search_embeddings(query_embs, user, depth, queries=queries)
-        lexical = self.lexical.search(list(queries), user, depth)
-        return [self._fuse(d, b, k, user) for d, b in zip(dense, lexical)]
+        dense = self.bank.search_embeddings(query_embs, user, max(k, self.depth), queries=queries)
+        return self._fused(dense, list(queries), user, k)
 
     # -- search ---------------------------------------------------------------------------------
     def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
         """Each query's top-k by fused score, with bank embeddings; `retriever_scores` = fused scores."""
         if isinstance(queries, str):
             raise TypeError("queries must be a list of strings (got one string)")
-        self._check_k(k)
+        MemoryBank._check_k(k)
         queries = list(queries)
         if not queries:
             return []
-        depth = max(k, self.depth)
-        dense = self.bank.search(queries, user, depth)
-        lexical = self.lexical.search(queries, user, depth)
-        return [self._fuse(d, b, k, user) for d, b in zip(dense, lexical)]
+        return self._fused(self.bank.search(queries, user, max(k, self.depth)), queries, user, k)
 
-    @staticmethod
-    def _check_k(k: int) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive integer, got {k!r}")
+    def _fused(self, dense: list[Candidates], queries: list[str], user: str, k: int) -> list[Candidates]:
+        """Each query's dense list (searched `max(k, depth)` deep) fused with BM25's at the same depth."""
+        lexical = self.lexical.search(queries, user, max(k, self.depth))
+        return [self._fuse(d, b, k, user) for d, b in zip(dense, lexical)]
 
     def feature_scale(self) -> float:
         """What divides a fused score into the [0, 1] lexical feature: its largest possible value."""

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,13 +78,10 @@ class LeaseStats:
     """What `/metrics` and the chaos test read: whether this replica learns, and what it did."""
 
     is_learner: bool = False
-    acquired_at: float | None = None  # wall-clock time this replica last became the learner
     acquisitions: int = 0
     applied: int = 0  # feedback rows this replica applied (marked in a committed version)
     versions_written: int = 0
     reloads: int = 0  # newer versions swapped in while not the learner
-    errors: int = 0
-    seen_versions: dict[str, int] = field(default_factory=dict)
 
 
 class SharedLearning:
@@ -139,7 +136,6 @@ class SharedLearning:
                     next_reload = now + self.reload_interval_s
                     self.reload()
             except Exception as exc:  # a lost database or connection: drop the role, keep serving, retry
-                self.stats.errors += 1
                 log.warning("shared learning round failed (%s: %s); retrying", type(exc).__name__,
                             " ".join(str(exc).split())[:300], exc_info=log.isEnabledFor(logging.DEBUG))
                 self._lose_lease()
@@ -159,7 +155,6 @@ class SharedLearning:
             return False
         self._conn = conn
         self.stats.is_learner = True
-        self.stats.acquired_at = time.time()
         self.stats.acquisitions += 1
         self._buffered.clear()
         self.reload()  # nobody else writes versions now: what the database holds is the newest
@@ -169,7 +164,6 @@ class SharedLearning:
     def reload(self) -> list[str]:
         """Swap in every newer stored version of the loaded keys."""
         latest = self.versions.latest()
-        self.stats.seen_versions = dict(latest)
         reloaded = self.registry.refresh(latest)
         self.stats.reloads += len(reloaded)
         return reloaded
@@ -216,7 +210,6 @@ class SharedLearning:
                 self.registry.install(key, self.registry.get(key), version)
         self.stats.applied += len(seqs)
         self.stats.versions_written += data is not None
-        self.stats.seen_versions[key] = version
 
     # ---- losing the role ---------------------------------------------------------------------
     def _lose_lease(self) -> None:
