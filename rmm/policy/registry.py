@@ -136,9 +136,7 @@ class LearnerRegistry:
             learner = self._from_version(key, *stored)
             with self._lock:
                 if key in self._learners and self._version.get(key, 0) < stored[0]:
-                    self._learners[key] = learner
-                    self._saved[key] = _progress(learner)
-                    self._version[key] = stored[0]
+                    self.install(key, learner, stored[0])
                     reloaded.append(key)
         return reloaded
 
