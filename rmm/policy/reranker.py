@@ -100,19 +100,25 @@ def stack_candidates(
     return queries, memories, mask
 
 
-def stack_lexical(candidates: Sequence[Candidates], k_max: int, device: torch.device,
+def stack_lexical(features: Sequence[Tensor | None], k_max: int, device: torch.device | None = None,
                   dtype: torch.dtype = torch.float32) -> Tensor | None:
-    """`[B, K]` lexical features, 0 at padding and for lists without any; None when no list has one."""
-    if all(c.lexical is None for c in candidates):
+    """`[B, K]` lexical features, one row per list (0 at padding and for lists without any); None
+    when no list has one. Used at sampling time (candidates) and at update time (rewarded records)."""
+    if all(f is None for f in features):
         return None
-    out = torch.zeros(len(candidates), k_max, device=device, dtype=dtype)
-    for i, c in enumerate(candidates):
-        if c.lexical is None:
-            continue
-        if c.lexical.numel() != len(c):
-            raise ValueError(f"candidates[{i}].lexical has {c.lexical.numel()} entries for {len(c)} candidates")
-        out[i, : len(c)] = c.lexical.reshape(-1).to(device, dtype)
+    out = torch.zeros(len(features), k_max, device=device, dtype=dtype)
+    for i, f in enumerate(features):
+        if f is not None:
+            out[i, : f.numel()] = f.reshape(-1).to(out.device, dtype)
     return out
+
+
+def _lexical_of(candidates: Sequence[Candidates]) -> list[Tensor | None]:
+    """Each list's lexical feature, checked to have one entry per candidate."""
+    for i, c in enumerate(candidates):
+        if c.lexical is not None and c.lexical.numel() != len(c):
+            raise ValueError(f"candidates[{i}].lexical has {c.lexical.numel()} entries for {len(c)} candidates")
+    return [c.lexical for c in candidates]
 
 
 def candidate_subset(candidates: Candidates, positions: Sequence[int]) -> Candidates:
@@ -321,7 +327,7 @@ class ResidualLinearReranker(nn.Module):
         counts = [len(c) for c in candidates] if exclude is None else allowed.sum(-1).tolist()
         k_max = memories.shape[1]
         m_batch = min(m, max(counts, default=0))
-        lexical = None if self.lexical_weight is None else stack_lexical(candidates, k_max, weight.device, weight.dtype)
+        lexical = None if self.lexical_weight is None else stack_lexical(_lexical_of(candidates), k_max, weight.device, weight.dtype)
         if k_max == 0 or m_batch == 0:  # nothing to pick from, or nothing asked for
             scores = self.fast_scores(queries, memories, lexical).cpu() if k_max else torch.zeros(len(candidates), 0)
             chosen = torch.zeros(len(candidates), 0, dtype=torch.long)

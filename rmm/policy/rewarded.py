@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from rmm.errors import DimensionMismatchError
+from rmm.policy.reranker import stack_lexical
 from rmm.policy.sampling import plackett_luce_logp
 from rmm.types import Selection
 
@@ -160,7 +161,7 @@ def stack_rewarded(batch: list[RewardedSelection], with_noise: bool) -> Rewarded
     ks = [p.memories.shape[0] for p in batch]
     ms = [p.chosen.numel() for p in batch]
     taus = torch.tensor([p.tau for p in batch], dtype=torch.float32)
-    lexical = _stack_lexical(batch, max(ks))
+    lexical = stack_lexical([p.lexical for p in batch], max(ks))
     if len(set(ks)) == 1 and len(set(ms)) == 1 and all(p.mask is None for p in batch):  # the usual case
         noise = None
         if with_noise:
@@ -190,14 +191,3 @@ def stack_rewarded(batch: list[RewardedSelection], with_noise: bool) -> Rewarded
             noise[i, :k] = p.noise
     return RewardedBatch(torch.stack([p.query for p in batch]), memories, chosen, rewards, taus, mu, mask, pick_valid,
                          noise, lexical)
-
-
-def _stack_lexical(batch: list[RewardedSelection], k_max: int) -> Tensor | None:
-    """`[B, K]` lexical features (0 at padding and for records without); None when no record has any."""
-    if all(p.lexical is None for p in batch):
-        return None
-    out = torch.zeros(len(batch), k_max)
-    for i, p in enumerate(batch):
-        if p.lexical is not None:
-            out[i, : p.lexical.numel()] = p.lexical
-    return out
