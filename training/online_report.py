@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rmm.eval.retrieval import SEPARATE_CATEGORIES, RetrievalReport, headroom_captured, summarize
+from rmm.eval.retrieval import SEPARATE_CATEGORIES, RetrievalReport, clamped_headroom, summarize
 from rmm.policy.registry import SHARED
 from rmm.policy.retrieve import RerankedRetriever
 from rmm.training.online_plot import running_mean
@@ -92,12 +92,11 @@ def headroom(report: OnlineReport) -> dict[str, Any]:
     for name, base, reranked in (("prequential", report.retriever, report.reranker_prequential),
                                  ("heldout", report.retriever_heldout, report.reranker_heldout)):
         ceiling, before, after = (base.get(f"recall@{k}"), base.get(f"recall@{m}"), reranked.get(f"recall@{m}"))
-        usable = None not in (ceiling, before, after) and not any(map(math.isnan, (ceiling, before, after)))
-        if usable:  # recall@K ≥ recall@M for every question; only float summation could say otherwise
-            ceiling = max(ceiling, before)
+        captured = None
+        if None not in (ceiling, before, after) and not any(map(math.isnan, (ceiling, before, after))):
+            ceiling, captured = clamped_headroom(before, after, ceiling)
         out[name] = {f"retriever_recall@{k}": ceiling, f"retriever_recall@{m}": before,
-                     f"reranker_recall@{m}": after,
-                     "captured": headroom_captured(after, before, ceiling) if usable and k > m else None}
+                     f"reranker_recall@{m}": after, "captured": captured}
     return out
 
 

@@ -64,6 +64,13 @@ def headroom_captured(reranked_at_m: float, base_at_m: float, base_at_k: float) 
     return (reranked_at_m - base_at_m) / room
 
 
+def clamped_headroom(before: float, after: float, at_k: float) -> tuple[float, float | None]:
+    """The ceiling recall@K, clamped to at least recall@M (true for every question; only float
+    summation over questions could say otherwise), and the share of headroom captured up to it."""
+    ceiling = max(at_k, before)
+    return ceiling, headroom_captured(after, before, ceiling)
+
+
 def headroom_by_cutoff(base: RetrievalReport, reranked: RetrievalReport) -> dict[str, dict[str, float | None]]:
     """For each cut-off M below the ceiling K: the retriever's and the reranked recall@M, the
     ceiling recall@K (the retriever's) and the share of headroom captured (None: no headroom)."""
@@ -75,9 +82,9 @@ def headroom_by_cutoff(base: RetrievalReport, reranked: RetrievalReport) -> dict
         if m >= k:
             continue
         before, after = base.overall[f"recall@{m}"], reranked.overall[f"recall@{m}"]
-        ceiling = max(base.overall[f"recall@{k}"], before)  # ≥ per question; only float summation could differ
+        ceiling, captured = clamped_headroom(before, after, base.overall[f"recall@{k}"])
         out[f"recall@{m}"] = {"retriever": before, "reranked": after, f"ceiling_recall@{k}": ceiling,
-                              "captured": headroom_captured(after, before, ceiling)}
+                              "captured": captured}
     return out
 
 
