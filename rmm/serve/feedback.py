@@ -77,21 +77,20 @@ class FeedbackLearner:
             rewards = rewards_from_citations(n, outcome["cited"], outcome["no_cite"])
             reason = NO_CITATION_REASON if rewards is None else None if pending.explore else GREEDY_REASON
             outcome.update(rewards=None if rewards is None else rewards.tolist(), learned=reason is None,
-                           reason=reason)
-            return dict(outcome)  # stored with the selection
+                           reason=reason, reward_tensor=rewards)
+            return {key: value for key, value in outcome.items() if key != "reward_tensor"}  # stored with the selection
 
         pending = self.selections.claim(tenant, selection_id, check)
-        rewards = rewards_from_citations(len(pending.chosen), outcome["cited"], outcome["no_cite"])
-        selection = rebuild(pending)
+        rewards = outcome["reward_tensor"]
         with self.learners.lock:
             learner = self.learners.get(pending.reranker_key)
             step_before = learner.stats.step
             if self.deferred:  # committed to the feedback table; the lock-holding replica learns it
-                if not selection.explore:
+                if not pending.explore:
                     learner.stats.skipped_greedy += 1
                 loss = None
-            elif selection.explore or rewards is None:
-                loss = learner.record(selection, rewards)
+            elif pending.explore or rewards is None:
+                loss = learner.record(rebuild(pending), rewards)
             else:  # the learner's own refusal, minus its per-call WARNING: greedy feedback is routine here
                 learner.stats.skipped_greedy += 1
                 loss = None
