@@ -89,11 +89,13 @@ def test_the_update_learns_from_the_lexical_values_recorded_at_sampling(bank: Me
     assert changed.reranker.lexical_weight.item() != learned.lexical_weight.item()
 
 
-def test_a_hybrid_bank_argument_is_the_first_stage(bank: MemoryBank) -> None:
+def test_the_hybrid_is_the_first_stage_and_the_bank_is_written_into(bank: MemoryBank) -> None:
     hybrid = HybridRetriever(bank)
-    agent = Agent(hybrid, ScriptedLLM(cite_mentions("cello")), k=5, m=3)
+    agent = Agent(bank, ScriptedLLM(cite_mentions("cello")), first_stage=hybrid, k=5, m=3)
     assert agent.bank is bank and agent.first_stage is hybrid
     assert agent.reflector.bank is bank
+    with pytest.raises(RmmError, match="first_stage="):  # one way to ask for it: not as the bank
+        Agent(hybrid, ScriptedLLM(cite_mentions("cello")), k=5, m=3)  # type: ignore[arg-type]
 
 
 def test_a_first_stage_over_another_bank_is_refused(bank: MemoryBank, tmp_path: Path) -> None:

@@ -18,8 +18,7 @@ dense fused, `rmm.memory.hybrid`) only chooses the K candidates: the reflector s
 the dense bank, and BM25 reads the bank's store, rebuilding a user's index whenever that user's
 store generation moved, so a memory added by `end_session` is found lexically by the next query.
 Hybrid candidates carry their lexical feature; the Selection keeps it as scored, so the update
-(now or delayed) learns the lexical weight from what was sampled. Passing a `HybridRetriever` as
-`bank` means the same (its dense bank is written into), for callers that hold one retriever.
+(now or delayed) learns the lexical weight from what was sampled.
 
 Decisions where the paper is silent: `end_session` stores topic memories only, as the paper
 does (`store_turns=True` also stores each raw turn as a turn memory); extraction is asked about
@@ -68,7 +67,8 @@ class Response:
 
 
 class Agent:
-    def __init__(self, bank: MemoryBank | HybridRetriever, llm: LLM, *, first_stage: HybridRetriever | None = None, learner: Learner | None = None, per_user: bool = False,
+    def __init__(self, bank: MemoryBank, llm: LLM, *, first_stage: HybridRetriever | None = None,
+                 learner: Learner | None = None, per_user: bool = False,
                  reflector: ProspectiveReflector | None = None, k: int = 20, m: int = 5, tau: float | None = None,
                  learn: bool = True, structured: bool = False, sessions: SessionLog | None = None,
                  checkpoint_dir: str | Path | None = None, checkpoint_every: int = 10, store_turns: bool = False,
@@ -76,7 +76,7 @@ class Agent:
                  recipe: str = "auto") -> None:
         if m > k:
             raise ValueError(f"cannot show M={m} memories out of K={k} candidates")
-        bank, first_stage = _split_first_stage(bank, first_stage)
+        _check_first_stage(bank, first_stage)
         if learner_config is None:  # `auto`: the paper's for dot products, sharper for cosines
             learner_config = recipe_config(recipe, is_normalized_encoder(bank.encoder), tau=tau)
         tau = learner_config.tau if tau is None else tau
@@ -174,15 +174,11 @@ class Agent:
         return user if self.per_user else SHARED
 
 
-def _split_first_stage(bank: MemoryBank | HybridRetriever,
-                       first_stage: HybridRetriever | None) -> tuple[MemoryBank, HybridRetriever | None]:
-    """(the dense bank written into, the first stage or None): a hybrid `bank` is both; a given
-    first stage must search the bank the agent writes into, or new memories would never be found."""
+def _check_first_stage(bank: MemoryBank, first_stage: HybridRetriever | None) -> None:
+    """The bank is what the reflector writes into; a first stage must search that same bank, or new
+    memories would never be found."""
     if isinstance(bank, HybridRetriever):
-        if first_stage is not None and first_stage is not bank:
-            raise RmmError("give the hybrid retriever either as the bank or as first_stage, not two of them")
-        return bank.bank, bank
+        raise RmmError("pass the dense bank as `bank` and the HybridRetriever over it as `first_stage=`")
     if first_stage is not None and first_stage.bank is not bank:
         raise RmmError("the first stage must search the agent's own bank (HybridRetriever(bank)): memories the "
                        "reflector writes would otherwise never be retrieved")
-    return bank, first_stage
