@@ -1,10 +1,11 @@
-"""One PostgreSQL bank schema as a handle for the server's shared state (not the memories).
+"""One PostgreSQL bank schema: migrated once, reached through one pool.
 
-The memory store (`pg_store.PostgresStore`) owns its own pool for memories and search; the
-server's other tables — selections, feedback, jobs, reranker versions (migration 0002) — are
-reached through this handle, which migrates the schema once, keeps a small pool for short
-transactions, and opens the dedicated connections a session-level advisory lock needs (a pooled
-connection would hand the lock to whoever borrows it next).
+Everything a process keeps in a bank schema goes through one handle: the memory store
+(`pg_store.PostgresStore` is built on it and exposes it as `.database`) and the server's other
+tables — selections, feedback, jobs, reranker versions (migration 0002). So a replica migrates
+once and holds one pool, sized by the serve config's `database:` section. The handle also opens
+the dedicated connections a session-level advisory lock needs (a pooled connection would hand
+the lock to whoever borrows it next).
 """
 
 from __future__ import annotations
@@ -27,15 +28,21 @@ from rmm.memory.pg_connect import (
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["PgDatabase"]
+__all__ = ["DEFAULT_POOL_MAX", "PgDatabase"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_POOL_MAX = 8  # connections per process: memory search and writes, selections, jobs, versions
 
 
 class PgDatabase:
     """A migrated bank schema: pooled transactions (`tx`) and dedicated connections (`dedicated`)."""
 
-    def __init__(self, url: str, *, pool_min: int = 1, pool_max: int = 6, pool_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, *, pool_min: int = 1, pool_max: int = DEFAULT_POOL_MAX,
+                 pool_timeout_s: float = 10.0) -> None:
+        if pool_min < 0 or pool_max < max(1, pool_min) or pool_timeout_s <= 0:
+            raise ValueError(f"need 0 <= pool_min <= pool_max, pool_max >= 1 and pool_timeout_s > 0, "
+                             f"got {pool_min}, {pool_max}, {pool_timeout_s}")
         self.where = parse_location(url)
         self.options = migrate(self.where)
         self.pool = open_pool(self.where, self.options, min_size=pool_min, max_size=pool_max, timeout_s=pool_timeout_s)
@@ -48,12 +55,13 @@ class PgDatabase:
         return self.where.display
 
     @contextmanager
-    def tx(self) -> Iterator[psycopg.Cursor[Any]]:
-        """One transaction on a pooled connection: committed when the block ends, else rolled back."""
+    def tx(self, binary: bool = False) -> Iterator[psycopg.Cursor[Any]]:
+        """One transaction on a pooled connection: committed when the block ends, else rolled back.
+        `binary`: results in PostgreSQL's binary format (vectors read without text parsing)."""
         if self._closed:
             raise RmmError(f"database handle {self.location} is closed")
         with (database_errors(self.location), self.pool.connection() as conn, conn.transaction(),
-              conn.cursor() as cur):
+              conn.cursor(binary=binary) as cur):
             yield cur
 
     def dedicated(self, **params: Any) -> psycopg.Connection[Any]:

@@ -12,14 +12,15 @@ the database, filtered by user, so no process keeps a vector index of its own:
 * a larger user goes through the bank's HNSW index (`vector_ip_ops`) with `hnsw.ef_search` and
   pgvector's iterative scan, so the user filter still yields k results from a shared graph.
 
-Connections come from a psycopg pool (each checked before use, so a restarted server is
-reconnected to transparently); a lost server surfaces as `DatabaseUnavailableError`.
+Connections come from the bank schema's one psycopg pool (`pg_database.PgDatabase`, exposed as
+`.database` so the server's own tables share the migration and the pool); each is checked before
+use, so a restarted server is reconnected to transparently; a lost server surfaces as
+`DatabaseUnavailableError`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Self
@@ -33,7 +34,7 @@ from rmm.errors import (
     UnknownMemoryError,
     UnknownUserError,
 )
-from rmm.memory.pg_connect import database_errors, migrate, open_pool, parse_location
+from rmm.memory.pg_database import DEFAULT_POOL_MAX, PgDatabase
 from rmm.memory.rows import (
     DuplicateMemoryError,
     as_matrix,
@@ -97,22 +98,18 @@ class PostgresStore:
     ``rmm``). Opening it creates the schema and applies pending migrations.
     """
 
-    def __init__(self, url: str, *, pool_min: int = 1, pool_max: int = 8, pool_timeout_s: float = 10.0,
+    def __init__(self, url: str, *, pool_min: int = 1, pool_max: int = DEFAULT_POOL_MAX, pool_timeout_s: float = 10.0,
                  exact_limit: int = 10_000, ef_search: int = 100) -> None:
-        if pool_min < 0 or pool_max < max(1, pool_min) or pool_timeout_s <= 0:
-            raise ValueError(f"need 0 <= pool_min <= pool_max, pool_max >= 1 and pool_timeout_s > 0, "
-                             f"got {pool_min}, {pool_max}, {pool_timeout_s}")
         if exact_limit < 0 or ef_search < 1:
             raise ValueError(f"exact_limit must be >= 0 and ef_search >= 1, got {exact_limit}, {ef_search}")
-        self._where = parse_location(url)
+        # the schema's migration and its one pool; the server's tables use the same (`database`)
+        self.database = PgDatabase(url, pool_min=pool_min, pool_max=pool_max, pool_timeout_s=pool_timeout_s)
+        self._where = self.database.where
         self.schema = self._where.schema
         self.exact_limit = exact_limit
         self.ef_search = ef_search
         self.path = None  # no file: see `location`
-        options = migrate(self._where)
-        self._pool = open_pool(self._where, options, min_size=pool_min, max_size=pool_max, timeout_s=pool_timeout_s)
         self._closed = False
-        self._close_lock = threading.Lock()
         self._embedded: dict[str, tuple[int, int]] = {}  # user → (generation, embedded count), for search
         log.debug("opened PostgreSQL memory store %s", self.location)
 
@@ -128,8 +125,7 @@ class PostgresStore:
         """One transaction on a pooled connection: committed entirely, or rolled back on any error."""
         if self._closed:
             raise RmmError(f"memory store {self.location} is closed")
-        with (database_errors(self.location), self._pool.connection() as conn, conn.transaction(),
-              conn.cursor(binary=binary) as cur):
+        with self.database.tx(binary) as cur:
             yield cur
 
     def _unknown_user(self, cur: psycopg.Cursor[Any], user: str) -> UnknownUserError:
@@ -378,10 +374,9 @@ class PostgresStore:
     # ----------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        with self._close_lock:
-            if not self._closed:
-                self._closed = True
-                self._pool.close()
+        """Close the store and its database handle (the pool the server's tables share, too)."""
+        self._closed = True
+        self.database.close()
 
     def __enter__(self) -> Self:
         return self

@@ -106,12 +106,16 @@ class RetrievalService:
         jobs: Callable[[Handler], Jobs] | None = None
         versions = None
         if config.store:  # the server's state in the bank's database, shared by every replica
-            from rmm.memory.pg_database import PgDatabase
+            from rmm.memory.pg_store import PostgresStore
             from rmm.policy.pg_versions import RerankerVersions
             from rmm.serve.pg_jobs import PgJobQueue
             from rmm.serve.pg_pending import PgSelectionStore
 
-            db = self.db = PgDatabase(config.store)
+            store = self.bank.store
+            assert isinstance(store, PostgresStore)  # a postgresql:// bank opens one
+            # the store's handle: one migration and one pool (sized by `database:`) for memories and
+            # server state; the bank closes it
+            db = self.db = store.database
             self.selections: Selections = PgSelectionStore(db, config.selection_ttl_s)
             versions = RerankerVersions(db)
             jobs = lambda handler: PgJobQueue(db, handler, lease_s=config.job_lease_s)
@@ -177,9 +181,7 @@ class RetrievalService:
         finally:
             self.selections.close()
             self.sessions.close()
-            self.bank.close()
-            if self.db is not None:
-                self.db.close()
+            self.bank.close()  # with a PostgreSQL store, also `self.db` (the store's handle)
 
     # ---- auth and rerankers ----------------------------------------------------------------
     def tenant_for_key(self, key: str | None) -> str | None:
