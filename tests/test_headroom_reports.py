@@ -17,7 +17,15 @@ from rmm.cli.eval import headroom_figures, report_figures
 from rmm.cli.tables import Figures, print_figures
 from rmm.cli.train import train_figures
 from rmm.data.locomo import load_locomo
-from rmm.eval.retrieval import RetrievalReport, evaluate, headroom_by_cutoff
+from rmm.eval.retrieval import (
+    GoldScorer,
+    RetrievalReport,
+    evaluate,
+    evaluate_orders,
+    headroom_by_cutoff,
+    scorable,
+)
+from rmm.memory.bank import MemoryBank
 from rmm.memory.store import MemoryStore
 from rmm.types import Candidates, Dataset, Memory
 
@@ -69,8 +77,10 @@ class GoldSeventh:
     def __init__(self, store: MemoryStore, dataset: Dataset) -> None:
         self.store, self.dataset = store, dataset
         self.gold = {(q.user_id, q.text): q.evidence_turns for q in dataset.questions}
+        self.searched: list[str] = []
 
     def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
+        self.searched += queries
         out = []
         for q in queries:
             gold = self.gold[(user, q)]
@@ -97,6 +107,59 @@ def test_eval_reports_the_ceiling_beside_the_cut_offs(tiny_data_dir) -> None:
     assert plain.ceiling is None and "recall@20" not in plain.overall
 
 
+def test_several_orders_are_scored_from_one_search_per_question(tiny_data_dir) -> None:
+    """`evaluate_orders` searches each question once and scores every order of those candidates
+    exactly as `evaluate` scores each alone (which searches once per order)."""
+    dataset = load_locomo(tiny_data_dir / "locomo" / "locomo10.json")
+    store = MemoryStore(":memory:")
+    for user in dataset.users:
+        store.add([Memory(id=t.id, user_id=user, kind="turn", text=t.text, refs=[t.id]) for t in dataset.turns(user)])
+
+    def reverse(found: list[Candidates]) -> list[list[str]]:
+        return [c.memory_ids[::-1] for c in found]
+
+    retriever = GoldSeventh(store, dataset)
+    both = evaluate_orders(dataset, retriever, "turn", (1, 5), {"base": None, "reversed": reverse}, progress=False,
+                           ceiling=8)
+    questions = scorable(dataset.questions, GoldScorer.for_dataset(dataset, "turn"))
+    assert sorted(retriever.searched) == sorted(q.text for q in questions)  # once each, not once per order
+    alone = {"base": evaluate(dataset, GoldSeventh(store, dataset), "turn", (1, 5), progress=False, ceiling=8,
+                              retriever_name="base"),
+             "reversed": evaluate(dataset, GoldSeventh(store, dataset), "turn", (1, 5), progress=False, ceiling=8,
+                                  retriever_name="reversed", rank=reverse)}
+    assert {name: r.to_json() for name, r in both.items()} == {name: r.to_json() for name, r in alone.items()}
+    assert both["base"].overall["recall@5"] != both["reversed"].overall["recall@5"]  # the orders differ
+
+
+def test_the_reranker_order_is_the_reranked_retrievers(tmp_path) -> None:
+    """`rmm eval --reranker` orders the base run's candidates as `RerankedRetriever.search` would."""
+    import argparse
+    from types import SimpleNamespace
+
+    from fakes import BagOfWordsEncoder
+    from test_agent import facts_bank
+
+    from rmm.cli.eval import _reranker_order
+    from rmm.policy.learner import Learner, LearnerConfig
+    from rmm.policy.reranker import ResidualLinearReranker
+    from rmm.policy.retrieve import RerankedRetriever
+
+    torch.manual_seed(0)
+    encoder = BagOfWordsEncoder()
+    reranker = ResidualLinearReranker(encoder.dim)
+    with torch.no_grad():
+        reranker.W_q.weight.normal_(std=1.0)  # far from the identity: the order really changes
+    folder = Learner(reranker, LearnerConfig(), encoder_name=encoder.fingerprint).save(tmp_path / "reranker")
+    queries = ["Does Ana play the cello?", "Where did Ana travel?", "What does Ana eat?"]
+    with facts_bank(tmp_path / "bank") as bank:
+        rank = _reranker_order(argparse.Namespace(reranker=str(folder)),
+                               SimpleNamespace(encoder=bank.encoder, name="bow", retriever=bank))
+        found = bank.search(queries, "ana", 6)
+        expected = RerankedRetriever(bank, reranker, k=6, m=3).search(queries, "ana", 6)
+    assert rank(found) == [c.memory_ids for c in expected]
+    assert rank(found) != [c.memory_ids for c in found]
+
+
 def test_rmm_eval_with_a_reranker_reports_the_headroom_it_captured(tiny_data_dir, tmp_path, monkeypatch,
                                                                     capsys) -> None:
     """`rmm eval --reranker DIR` on the tiny LoCoMo file (real MiniLM): a reranker that reverses the
@@ -116,8 +179,19 @@ def test_rmm_eval_with_a_reranker_reports_the_headroom_it_captured(tiny_data_dir
         reranker.W_q.weight.copy_(-2 * torch.eye(encoder.dim))
     folder = Learner(reranker, LearnerConfig(), encoder_name=encoder.fingerprint).save(tmp_path / "reranker")
     out = tmp_path / "eval.json"
+    searched: list[str] = []
+    search = MemoryBank.search
+
+    def counted(self, queries, user, k):  # type: ignore[no-untyped-def]
+        searched.extend(queries)
+        return search(self, queries, user, k)
+
+    monkeypatch.setattr(MemoryBank, "search", counted)
     assert main(["eval", "--data-dir", str(tiny_data_dir), "--retriever", "minilm", "--k", "1", "3", "--depth", "8",
                  "--reranker", str(folder), "--json", str(out)]) == 0
+    dataset = load_locomo(tiny_data_dir / "locomo" / "locomo10.json")
+    questions = scorable(dataset.questions, GoldScorer.for_dataset(dataset, "turn"))
+    assert sorted(searched) == sorted(q.text for q in questions)  # the reranked order reads the base run's search
     reports = json.loads(out.read_text())
     base, reranked = reports["minilm/turn"], reports["minilm/turn+reranker"]
     assert reranked["overall"]["recall@8"] == pytest.approx(base["overall"]["recall@8"])  # same candidates

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
@@ -23,6 +23,10 @@ from rmm.cli.common import (
 from rmm.cli.settings import PRECEDENCE, add_config_options
 from rmm.cli.tables import Figures, headroom_cell, print_figures
 from rmm.errors import RmmError
+
+if TYPE_CHECKING:
+    from rmm.eval.retrieval import Rank
+    from rmm.types import Candidates
 
 __all__ = ["granularity_figures", "headroom_figures", "register", "report_figures", "run"]
 
@@ -63,7 +67,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rmm.eval.benchmark_bank import open_retriever
-    from rmm.eval.retrieval import evaluate
+    from rmm.eval.retrieval import evaluate_orders, headroom_by_cutoff
 
     dataset = load_benchmark(args)
     topics = "topic" in args.granularity
@@ -80,12 +84,15 @@ def run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             topic_source = f"PR: {llm.name}" if llm else "PR: fallback topics"
             label = name if granularity != "topic" else f"{name} ({topic_source})"
-            report = evaluate(dataset, opened.retriever, granularity, args.k, retriever_name=label,
-                              ceiling=args.depth)
+            orders: dict[str, Rank | None] = {label: None}
+            if args.reranker:  # scored from the same search as the retriever's own order
+                orders[f"{label} + reranker"] = _reranker_order(args, opened)
+            scored = evaluate_orders(dataset, opened.retriever, granularity, args.k, orders, ceiling=args.depth)
             log.info("evaluated %s/%s in %.1fs", name, granularity, time.perf_counter() - t0)
-            reports[f"{name}/{granularity}"] = report
-            reranked = _reranked(args, dataset, opened, granularity, label, report) if args.reranker else None
+            report = reports[f"{name}/{granularity}"] = scored[label]
+            reranked = scored.get(f"{label} + reranker")
             if reranked is not None:
+                reranked.headroom = headroom_by_cutoff(report, reranked)
                 reports[f"{name}/{granularity}+reranker"] = reranked
             if len(args.granularity) == 1:
                 print_figures(report_figures(report), console)
@@ -105,22 +112,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reranked(args: argparse.Namespace, dataset: Any, opened: Any, granularity: str, label: str,
-              base: Any) -> Any:
-    """`base`'s retriever with its top --depth reordered by the --reranker checkpoint, scored alike;
-    its `headroom` compares the two against the ceiling recall@depth."""
-    from rmm.eval.retrieval import evaluate, headroom_by_cutoff
+def _reranker_order(args: argparse.Namespace, opened: Any) -> Rank:
+    """Each query's candidates (the retriever's top --depth or more) in the --reranker checkpoint's
+    order: what `RerankedRetriever.search` would show for the same candidates, without searching again."""
+    import torch
+
     from rmm.policy.learner import Learner
-    from rmm.policy.retrieve import RerankedRetriever
+    from rmm.policy.reranker import candidate_subset
 
     if opened.encoder is None:
         raise RmmError(f"--reranker needs a dense or hybrid retriever (embeddings); {opened.name!r} has none")
-    learner = Learner.load(args.reranker, encoder_name=opened.encoder.fingerprint, dim=opened.encoder.dim)
-    retriever = RerankedRetriever(opened.retriever, learner.reranker, k=args.depth, m=min(args.depth, *args.k))
-    reranked = evaluate(dataset, retriever, granularity, args.k, retriever_name=f"{label} + reranker",
-                        ceiling=args.depth)
-    reranked.headroom = headroom_by_cutoff(base, reranked)
-    return reranked
+    reranker = Learner.load(args.reranker, encoder_name=opened.encoder.fingerprint, dim=opened.encoder.dim).reranker
+
+    def rank(found: list[Candidates]) -> list[list[str]]:
+        ordered = []
+        for c in found:
+            if len(c) == 0:
+                ordered.append([])
+                continue
+            lexical = None if c.lexical is None else c.lexical[None]
+            scores = reranker.fast_scores(c.query_embedding[None], c.embeddings[None], lexical)[0]
+            ordered.append(candidate_subset(c, torch.argsort(scores, descending=True).tolist()).memory_ids)
+        return ordered
+
+    return rank
 
 
 def headroom_figures(base: Any, reranked: Any) -> Figures:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from tqdm.auto import tqdm
@@ -132,9 +132,12 @@ def summarize(dataset: Dataset, rows: dict[str, dict[str, float]], questions: Se
                            if separate else {}, **meta)
 
 
+Rank = Callable[[list[Candidates]], list[list[str]]]
+"""Reorders each query's candidates (e.g. a reranker): their memory ids, best first."""
+
+
 def evaluate(dataset: Dataset, retriever: Retriever, granularity: str, ks: Sequence[int] = (5, 10), *,
-             retriever_name: str = "", batch_size: int = 256, progress: bool = True,
-             rank: Callable[[list[Candidates]], list[list[str]]] | None = None,
+             retriever_name: str = "", batch_size: int = 256, progress: bool = True, rank: Rank | None = None,
              ceiling: int | None = None) -> RetrievalReport:
     """Search every scorable question in its user's bank and score the top max(ks).
 
@@ -142,6 +145,17 @@ def evaluate(dataset: Dataset, retriever: Retriever, granularity: str, ks: Seque
     `ceiling` K also scores recall@K (and the other metrics at K): the ceiling of a reranker of the
     top K, reported beside the cut-offs `ks`.
     """
+    (report,) = evaluate_orders(dataset, retriever, granularity, ks, {retriever_name: rank}, batch_size=batch_size,
+                                progress=progress, ceiling=ceiling).values()
+    return report
+
+
+def evaluate_orders(dataset: Dataset, retriever: Retriever, granularity: str, ks: Sequence[int],
+                    orders: Mapping[str, Rank | None], *, batch_size: int = 256, progress: bool = True,
+                    ceiling: int | None = None) -> dict[str, RetrievalReport]:
+    """One report per entry of `orders` (name → `rank`, None = the retriever's order), all scored from
+    one search per question: the retriever's top max(ks, ceiling) is searched once and each order of
+    it scored, so the reports differ by their order only (a reranked report and its base run's)."""
     scorer = GoldScorer.for_dataset(dataset, granularity)
     questions = scorable(dataset.questions, scorer)
     skipped = len(dataset.questions) - len(questions)
@@ -150,26 +164,27 @@ def evaluate(dataset: Dataset, retriever: Retriever, granularity: str, ks: Seque
     by_user: dict[str, list[Question]] = defaultdict(list)
     for q in questions:
         by_user[q.user_id].append(q)
-    rows: dict[str, dict[str, float]] = {}
+    rows: dict[str, dict[str, dict[str, float]]] = {name: {} for name in orders}
     refs_cache: dict[tuple[str, str], list[str]] = {}
     scored = sorted(set(ks) | ({ceiling} if ceiling else set()))
     depth = max(scored)
-    bar = tqdm(total=len(questions), desc=f"eval {retriever_name or 'retriever'} ({granularity})",
+    bar = tqdm(total=len(questions), desc=f"eval {' / '.join(orders) or 'retriever'} ({granularity})",
                disable=not progress, unit="q")
     for user, qs in by_user.items():
         for start in range(0, len(qs), batch_size):
             chunk = qs[start:start + batch_size]
             results = retriever.search([q.text for q in chunk], user, depth)
-            ranked_ids = rank(results) if rank else [c.memory_ids for c in results]
-            missing = [m for ids in ranked_ids for m in ids if (user, m) not in refs_cache]
-            if missing:
-                refs_cache.update({(user, m.id): m.refs for m in _get_memories(retriever, user, missing)})
-            for q, ids in zip(chunk, ranked_ids):
-                rows[q.id] = scorer.score([refs_cache[(user, m)] for m in ids[:depth]], q, scored)
+            for name, rank in orders.items():
+                ranked_ids = rank(results) if rank else [c.memory_ids for c in results]
+                missing = [m for ids in ranked_ids for m in ids if (user, m) not in refs_cache]
+                if missing:
+                    refs_cache.update({(user, m.id): m.refs for m in _get_memories(retriever, user, missing)})
+                for q, ids in zip(chunk, ranked_ids):
+                    rows[name][q.id] = scorer.score([refs_cache[(user, m)] for m in ids[:depth]], q, scored)
             bar.update(len(chunk))
     bar.close()
-    return summarize(dataset, rows, questions, retriever=retriever_name, granularity=granularity,
-                     ks=list(ks), skipped=skipped, ceiling=ceiling)
+    return {name: summarize(dataset, rows[name], questions, retriever=name, granularity=granularity, ks=list(ks),
+                            skipped=skipped, ceiling=ceiling) for name in orders}
 
 
 def _get_memories(retriever: Retriever, user: str, ids: list[str]) -> list[Memory]:
