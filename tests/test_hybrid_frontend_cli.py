@@ -44,16 +44,22 @@ def hybrid_searches(monkeypatch) -> list[list[str]]:
 
 
 def test_first_stage_choice() -> None:
-    assert first_stage_choice("dense", None) == ("minilm", False)
-    assert first_stage_choice("dense", "e5") == ("e5", False)
-    assert first_stage_choice("hybrid", None) == ("minilm", True)
-    assert first_stage_choice("hybrid", "e5") == ("e5", True)
-    assert first_stage_choice("hybrid:e5", None) == ("e5", True)
-    assert first_stage_choice("hybrid:e5", "e5") == ("e5", True)
+    assert first_stage_choice("dense", None) == ("minilm", None)
+    assert first_stage_choice("dense", "e5") == ("e5", None)
+    assert first_stage_choice("hybrid", None) == ("minilm", "rrf")
+    assert first_stage_choice("hybrid", "e5") == ("e5", "rrf")
+    assert first_stage_choice("hybrid:e5", None) == ("e5", "rrf")
+    assert first_stage_choice("hybrid:e5", "e5") == ("e5", "rrf")
+    assert first_stage_choice("bm25", "e5") == ("e5", "lexical")  # BM25 over the chat bank, rerankable
+    assert first_stage_choice("bm25:e5", None) == ("e5", "lexical")
     with pytest.raises(RmmError, match="give one"):
         first_stage_choice("hybrid:e5", "minilm")
-    with pytest.raises(RmmError, match="dense, hybrid or hybrid:DENSE"):
-        first_stage_choice("bm25", None)
+    with pytest.raises(RmmError, match="give one"):
+        first_stage_choice("bm25:e5", "minilm")
+    with pytest.raises(RmmError, match=r"dense, hybrid\[:DENSE\] or bm25\[:DENSE\]"):
+        first_stage_choice("minilm", None)  # an encoder name alone: --encoder names the bank's encoder
+    with pytest.raises(RmmError, match="needs a dense encoder preset"):
+        first_stage_choice("bm25:hybrid", None)
 
 
 def test_chat_over_a_hybrid_first_stage(tmp_path: Path, monkeypatch, capsys, fakes, hybrid_searches) -> None:  # noqa: F811

@@ -42,8 +42,8 @@ def test_retriever_is_dense_by_default_and_checked(tmp_path: Path) -> None:
         assert service.config.retriever == "dense" and service.retriever.first_stage is service.bank
     finally:
         service.close()
-    with pytest.raises(ConfigError, match="retriever must be one of 'dense' or 'hybrid'"):
-        make_service(tmp_path / "bad", start=False, retriever="bm25")
+    with pytest.raises(ConfigError, match="retriever must be one of 'dense', 'hybrid' or 'bm25'"):
+        make_service(tmp_path / "bad", start=False, retriever="sparse")
 
 
 def test_hybrid_feedback_after_a_restart_learns_bit_equal_to_an_in_process_learner(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 __all__ = [
     "Check", "CheckedParser", "add_check", "cosine", "device", "index_backend", "m_within_k", "non_negative_float",
     "non_negative_int", "open_fraction", "port", "positive_float", "positive_int", "positive_probability",
-    "probability", "store_url", "trainable_citer",
+    "probability", "retriever_name", "store_url", "trainable_citer",
 ]
 
 Number = TypeVar("Number", int, float)
@@ -69,6 +69,19 @@ def index_backend(text: str) -> str:
 
     if text not in BACKENDS:
         raise argparse.ArgumentTypeError(f"unknown index backend {text!r}; use one of {', '.join(BACKENDS)}")
+    return text
+
+
+def retriever_name(text: str) -> str:
+    """A `--retriever` name as `rmm.eval.benchmark_bank.parse_retriever` reads it (`hybrid:`,
+    `bm25:bm25` are refused here); whether an encoder preset or folder loads is the run's question."""
+    from rmm.errors import RmmError
+    from rmm.eval.benchmark_bank import parse_retriever
+
+    try:
+        parse_retriever(text)
+    except RmmError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return text
 
 

@@ -1,6 +1,7 @@
 """`rmm chat`: a terminal conversation with the RMM agent (memories, citations, online reranker),
 directly or through a query-side front end (GOAL-MEM or MemR³), whose trace is shown after each reply.
-`--retriever hybrid` fuses BM25 into the first stage; the reflector still writes into the dense bank."""
+`--retriever hybrid` fuses BM25 into the first stage, `--retriever bm25` ranks by BM25 alone over the
+bank (both rerankable); the reflector still writes into the dense bank."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from rich.markup import escape
 
 from rmm.cli import logs
-from rmm.cli.arguments import device, positive_float
+from rmm.cli.arguments import device, positive_float, retriever_name
 from rmm.cli.common import DEFAULT_RETRIEVER, add_k_m_options, add_verbose, console, llm_options, load_llm
 from rmm.cli.frontend_options import add_frontend_options, append_trace, frontend_config
 from rmm.errors import RmmError
@@ -27,10 +28,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--user", required=True)
     p.add_argument("--llm", required=True, help="openai:URL@MODEL | hf:PATH | vllm:PATH | simulated")
     p.add_argument("--encoder", help=f"encoder preset or folder (must match the bank; default {DEFAULT_RETRIEVER})")
-    p.add_argument("--retriever", default="dense",
-                   help="first stage: dense (the encoder's bank search) or hybrid[:DENSE] (BM25 over the bank's "
-                        "memories + the dense search, reciprocal-rank fused; DENSE = the encoder, as --encoder); "
-                        "hybrid candidates give the reranker its lexical feature")
+    p.add_argument("--retriever", default="dense", type=retriever_name,
+                   help="first stage: dense (the encoder's bank search), hybrid[:DENSE] (BM25 over the bank's "
+                        "memories + the dense search, reciprocal-rank fused) or bm25[:DENSE] (BM25's ranking "
+                        "alone over the bank's memories); DENSE = the encoder, as --encoder. Hybrid and bm25 "
+                        "candidates give the reranker its lexical feature")
     add_frontend_options(p)
     add_k_m_options(p)
     p.add_argument("--tau", type=positive_float, help="Gumbel temperature (default: the recipe's)")
@@ -56,14 +58,14 @@ def run(args: argparse.Namespace) -> int:
     if llm.name == "simulated":
         raise RmmError("the simulated LLM writes no answers (it only cites, for benchmarks with gold evidence); "
                        "chat with hf:PATH, openai:URL@MODEL or vllm:PATH")
-    encoder_name, hybrid = first_stage_choice(args.retriever, args.encoder)
+    encoder_name, fusion = first_stage_choice(args.retriever, args.encoder)
     bank = MemoryBank(args.bank, load_encoder(encoder_name, device=args.device), device=args.device)
     log_path = Path(args.bank) / CHAT_LOG
     # The screen is for the conversation: library warnings (e.g. a reply's citation problems) go to
     # a log file beside the bank instead of between the turns.
     restore_logging = logs.to_file(log_path, args.verbose)
     try:
-        first_stage = HybridRetriever(bank) if hybrid else None
+        first_stage = HybridRetriever(bank, fusion=fusion) if fusion is not None else None
         agent = Agent(bank, llm, first_stage=first_stage, k=args.k, m=args.m, tau=args.tau, recipe=args.recipe, learn=not args.no_learn,
                       structured=args.structured, per_user=args.per_user, store_turns=args.store_turns)
         try:
@@ -82,21 +84,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def first_stage_choice(retriever: str, encoder: str | None) -> tuple[str, bool]:
-    """(the bank's encoder, whether BM25 is fused in) from --retriever and --encoder."""
-    from rmm.eval.benchmark_bank import HYBRID, hybrid_dense
+def first_stage_choice(retriever: str, encoder: str | None) -> tuple[str, str | None]:
+    """(the bank's encoder, the `HybridRetriever` fusion over it — None: the bank's own dense search)
+    from --retriever and --encoder. Bare `hybrid` and `bm25` search the chat bank, whose encoder
+    --encoder names; `hybrid:DENSE` and `bm25:DENSE` name it themselves."""
+    from rmm.eval.benchmark_bank import OVER_DENSE, parse_retriever
 
     if retriever == "dense":
-        return encoder or DEFAULT_RETRIEVER, False
-    if retriever != HYBRID and not retriever.startswith(HYBRID + ":"):
-        raise RmmError(f"--retriever must be dense, hybrid or hybrid:DENSE, got {retriever!r}")
-    if retriever == HYBRID:
-        return encoder or DEFAULT_RETRIEVER, True
-    dense = hybrid_dense(retriever)
-    assert dense is not None
-    if encoder is not None and encoder != dense:
-        raise RmmError(f"--retriever {retriever} names the encoder {dense!r} but --encoder says {encoder!r}: give one")
-    return dense, True
+        return encoder or DEFAULT_RETRIEVER, None
+    if retriever in OVER_DENSE:
+        return encoder or DEFAULT_RETRIEVER, OVER_DENSE[retriever]
+    parsed = parse_retriever(retriever)
+    if parsed.fusion is None or parsed.dense is None:
+        raise RmmError(f"--retriever must be dense, hybrid[:DENSE] or bm25[:DENSE], got {retriever!r}")
+    if encoder is not None and encoder != parsed.dense:
+        raise RmmError(f"--retriever {retriever} names the encoder {parsed.dense!r} but --encoder says {encoder!r}: "
+                       "give one")
+    return parsed.dense, parsed.fusion
 
 
 def _converse(agent: Any, controller: Any, bank: Any, args: argparse.Namespace) -> None:

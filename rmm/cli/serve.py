@@ -46,9 +46,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--key-file", help="file of 'KEY TENANT' lines (API keys)")
     p.add_argument("--dev-key", action="store_true",
                    help="when no API key is configured, generate one for tenant 'default' and log it")
-    p.add_argument("--retriever", choices=("dense", "hybrid"),
-                   help="first stage: dense (default) or hybrid = BM25 + dense fused by reciprocal rank, "
-                        "the fused score given to the reranker as its lexical feature")
+    p.add_argument("--retriever", choices=("dense", "hybrid", "bm25"),
+                   help="first stage: dense (default), hybrid = BM25 + dense fused by reciprocal rank, or bm25 = "
+                        "BM25's ranking alone over the bank's memories; the fused (or BM25) score is given to the "
+                        "reranker as its lexical feature")
     p.add_argument("--store", type=store_url,
                    help="postgresql://user@host/db[?schema=NAME]: memories, search, pending selections, feedback, "
                         "reflection jobs and reranker versions in PostgreSQL + pgvector, shared by every replica "

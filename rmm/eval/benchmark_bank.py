@@ -25,7 +25,7 @@ from rmm.encoders.passage_cache import PassageCache
 from rmm.errors import RmmError
 from rmm.memory.bank import MemoryBank
 from rmm.memory.bm25 import BM25Retriever
-from rmm.memory.hybrid import HybridRetriever
+from rmm.memory.hybrid import Fusion, HybridRetriever
 from rmm.memory.storage import MemoryStorage, open_store
 from rmm.memory.store import MemoryStore
 from rmm.paths import cache_dir
@@ -42,18 +42,41 @@ STATIC_GRANULARITIES = ("turn", "session")  # topic memories come from prospecti
 LEXICAL_RETRIEVERS = ("bm25",)
 HYBRID = "hybrid"
 DEFAULT_HYBRID_DENSE = "minilm"
+# name prefix → how the dense bank named after the colon is searched (rmm.memory.hybrid fusions)
+OVER_DENSE: dict[str, Fusion] = {HYBRID: "rrf", "bm25": "lexical"}
+
+
+@dataclass(frozen=True)
+class RetrieverName:
+    """A `--retriever` name read once: the encoder whose bank is searched (None: plain text-only
+    BM25) and, for a first stage over that bank, the `HybridRetriever` fusion (None: the bank's
+    own dense search)."""
+
+    dense: str | None
+    fusion: Fusion | None = None
+
+
+def parse_retriever(name: str) -> RetrieverName:
+    """`bm25` (text only), an encoder preset or folder, `hybrid[:DENSE]` (BM25 + DENSE fused) or
+    `bm25:DENSE` (BM25's ranking over DENSE's bank, rerankable); a malformed name is an RmmError."""
+    if not name:
+        raise RmmError("--retriever needs a name: bm25, an encoder preset or folder, hybrid[:DENSE] or bm25:DENSE")
+    if name in LEXICAL_RETRIEVERS:
+        return RetrieverName(None)
+    if name == HYBRID:
+        return RetrieverName(DEFAULT_HYBRID_DENSE, OVER_DENSE[HYBRID])
+    prefix, colon, dense = name.partition(":")
+    if colon and prefix in OVER_DENSE:
+        if not dense or dense in LEXICAL_RETRIEVERS or parse_retriever(dense).fusion is not None:
+            raise RmmError(f"{prefix}:DENSE needs a dense encoder preset or folder after the colon, got {name!r}")
+        return RetrieverName(dense, OVER_DENSE[prefix])
+    return RetrieverName(name)
 
 
 def hybrid_dense(name: str) -> str | None:
     """`hybrid` → the default dense encoder, `hybrid:DENSE` → DENSE; None for any other retriever name."""
-    if name == HYBRID:
-        return DEFAULT_HYBRID_DENSE
-    if name.startswith(HYBRID + ":"):
-        dense = name[len(HYBRID) + 1:]
-        if not dense or dense in LEXICAL_RETRIEVERS or hybrid_dense(dense) is not None:
-            raise RmmError(f"hybrid:DENSE needs a dense encoder preset or folder after the colon, got {name!r}")
-        return dense
-    return None
+    parsed = parse_retriever(name)
+    return parsed.dense if parsed.fusion == OVER_DENSE[HYBRID] else None
 
 
 def documents(dataset: Dataset, user: str, granularity: str) -> list[Memory]:
@@ -135,11 +158,13 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
                    device: str = "auto", index_backend: str = "torch", batch_size: int = 64,
                    progress: bool = True, llm: LLM | None = None,
                    reflector_options: dict[str, Any] | None = None, store: str | None = None) -> DatasetRetriever:
-    """`bm25`, an encoder preset, an encoder folder, or `hybrid[:DENSE]` → a filled, cached retriever.
+    """`bm25`, an encoder preset, an encoder folder, `hybrid[:DENSE]` or `bm25:DENSE` → a filled,
+    cached retriever.
 
     `hybrid[:DENSE]` (default DENSE: minilm) is BM25 over the dense bank's own store fused with the
-    bank's search (`rmm.memory.hybrid`, reciprocal-rank fusion); its candidates carry bank
-    embeddings, so the reranker and `rmm train` take it like a dense bank.
+    bank's search (`rmm.memory.hybrid`, reciprocal-rank fusion); `bm25:DENSE` is BM25's ranking
+    alone over that store. Both carry bank embeddings on their candidates, so the reranker and
+    `rmm train` take them like a dense bank; plain `bm25` keeps a text-only store (no encoder).
 
     Topic granularity builds the bank by prospective reflection (with `llm`, else the labelled
     non-LLM fallback); the cache key includes the reflector's settings. With `store` (a
@@ -148,17 +173,20 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    dense = hybrid_dense(name)
-    if dense is not None:
-        inner = open_retriever(dense, dataset, granularity, cache=cache, device=device, index_backend=index_backend,
-                               batch_size=batch_size, progress=progress, llm=llm,
+    parsed = parse_retriever(name)
+    if parsed.fusion is not None:
+        assert parsed.dense is not None
+        inner = open_retriever(parsed.dense, dataset, granularity, cache=cache, device=device,
+                               index_backend=index_backend, batch_size=batch_size, progress=progress, llm=llm,
                                reflector_options=reflector_options, store=store)
-        return DatasetRetriever(name, HybridRetriever(inner.retriever), inner.encoder, inner.path)  # type: ignore[arg-type]
+        first_stage = HybridRetriever(inner.retriever, fusion=parsed.fusion)  # type: ignore[arg-type]
+        return DatasetRetriever(name, first_stage, inner.encoder, inner.path)
     digest = dataset_digest(dataset, granularity)
     root = cache_dir(cache) / "banks"
     if granularity == "topic":
         if name in LEXICAL_RETRIEVERS:
-            raise RmmError("topic memories are built with embeddings: use a dense retriever, not bm25")
+            raise RmmError("topic memories are built with embeddings: for BM25 over them use bm25:DENSE "
+                           "(e.g. bm25:minilm), not bm25")
         return _open_topic_bank(name, dataset, root, digest, device=device, index_backend=index_backend,
                                 batch_size=batch_size, progress=progress, llm=llm, options=reflector_options or {},
                                 store=store, cache=cache)

@@ -22,6 +22,12 @@ Every candidate also carries its fused score scaled to [0, 1] (`Candidates.lexic
 by its largest possible value, 2 / (rrf_k + 1), so 1 = first in both lists; the convex mix is in
 [0, 1] already), for the reranker's learned lexical feature (`rmm.policy.reranker`). The scale is
 fixed, not per list, so the same memory at the same ranks has the same feature whatever K is.
+
+`fusion="lexical"` fuses nothing: the ranking is BM25's alone (same ids, same order, same scores
+as `BM25Retriever` over the bank's store), and the dense bank only supplies each candidate's
+embedding and the query's, so the reranker can rescore a BM25 first stage (`--retriever
+bm25:DENSE`). Its lexical feature is the BM25 score min-max scaled over BM25's list at the search
+depth — the convex rule with α = 0, so a fixed depth, not K, sets the scale.
 """
 
 from __future__ import annotations
@@ -44,8 +50,8 @@ _LISTS = 2  # fused rankings: dense and BM25
 
 log = logging.getLogger(__name__)
 
-Fusion = Literal["rrf", "convex"]
-FUSIONS: tuple[str, ...] = ("rrf", "convex")
+Fusion = Literal["rrf", "convex", "lexical"]
+FUSIONS: tuple[str, ...] = ("rrf", "convex", "lexical")  # lexical: BM25's ranking alone (module docstring)
 
 
 def rrf_fuse(rankings: Sequence[Sequence[str]], rrf_k: float = 60.0) -> dict[str, float]:
@@ -78,7 +84,8 @@ def convex_fuse(dense: tuple[Sequence[str], Sequence[float]], lexical: tuple[Seq
 
 
 class HybridRetriever:
-    """BM25 + a dense `MemoryBank`, fused; quacks like the bank for everything the trainer reads."""
+    """BM25 + a dense `MemoryBank`, fused (or BM25 alone over the bank, `fusion="lexical"`); quacks
+    like the bank for everything the trainer reads."""
 
     def __init__(self, bank: MemoryBank, *, fusion: Fusion = "rrf", rrf_k: float = 10.0, alpha: float = 0.5,
                  depth: int = 50, lexical: BM25Retriever | None = None) -> None:
@@ -134,19 +141,33 @@ class HybridRetriever:
         MemoryBank._check_k(k)
         if queries is None:
             return self.bank.search_embeddings(query_embs, user, k)
+        if self.fusion == "lexical":
+            return self._fused(self._no_dense(query_embs, list(queries), user), list(queries), user, k)
         dense = self.bank.search_embeddings(query_embs, user, max(k, self.depth), queries=queries)
         return self._fused(dense, list(queries), user, k)
 
     # -- search ---------------------------------------------------------------------------------
     def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
-        """Each query's top-k by fused score, with bank embeddings; `retriever_scores` = fused scores."""
+        """Each query's top-k by fused score, with bank embeddings; `retriever_scores` = fused scores
+        (BM25's own with `fusion="lexical"`)."""
         if isinstance(queries, str):
             raise TypeError("queries must be a list of strings (got one string)")
         MemoryBank._check_k(k)
         queries = list(queries)
         if not queries:
             return []
+        if self.fusion == "lexical":  # the dense half is not searched: only the query vectors are needed
+            self.bank.store.require_user(user)
+            vectors = torch.as_tensor(self.bank.encoder.encode_queries(queries)).detach().float().cpu()
+            return self._fused(self._no_dense(vectors, queries, user), queries, user, k)
         return self._fused(self.bank.search(queries, user, max(k, self.depth)), queries, user, k)
+
+    def _no_dense(self, query_embs: torch.Tensor, queries: list[str], user: str) -> list[Candidates]:
+        """Empty dense lists carrying only each query's vector (what `fusion="lexical"` fuses with)."""
+        q = torch.as_tensor(query_embs).detach().float().cpu().reshape(len(queries), -1)
+        empty = torch.zeros((0, self.bank.dim), dtype=torch.float32)
+        return [Candidates(query=text, memory_ids=[], retriever_scores=torch.zeros(0), embeddings=empty,
+                           query_embedding=q[i].clone(), user_id=user) for i, text in enumerate(queries)]
 
     def _fused(self, dense: list[Candidates], queries: list[str], user: str, k: int) -> list[Candidates]:
         """Each query's dense list (searched `max(k, depth)` deep) fused with BM25's at the same depth."""
@@ -161,6 +182,8 @@ class HybridRetriever:
         """id → fused score over the union of both lists (the fusion rule alone, for tests and tuning)."""
         if self.fusion == "rrf":
             return rrf_fuse([dense.memory_ids, lexical.memory_ids], self.rrf_k)
+        if self.fusion == "lexical":  # the convex rule at α = 0 over BM25's list: order-preserving
+            return _min_max(lexical.memory_ids, lexical.retriever_scores.tolist())
         return convex_fuse((dense.memory_ids, dense.retriever_scores.tolist()),
                            (lexical.memory_ids, lexical.retriever_scores.tolist()), self.alpha)
 
@@ -173,10 +196,16 @@ class HybridRetriever:
         order = sorted(fused, key=lambda m: (-fused[m], dense_rank.get(m, far), lexical_rank.get(m, far)))[:k]
         embeddings = self._embeddings(dense, order, user)
         scores = torch.tensor([fused[m] for m in order], dtype=torch.float32)
+        # BM25 alone reports BM25's own scores (as `BM25Retriever` does); a fusion reports the fused ones
+        if self.fusion == "lexical":
+            bm25 = dict(zip(lexical.memory_ids, lexical.retriever_scores.tolist()))
+            ranked = torch.tensor([bm25[m] for m in order], dtype=torch.float32)
+        else:
+            ranked = scores
         return Candidates(
             query=dense.query,
             memory_ids=order,
-            retriever_scores=scores,
+            retriever_scores=ranked,
             embeddings=embeddings,
             query_embedding=dense.query_embedding,
             user_id=user,

@@ -16,14 +16,18 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rmm import config as _config
 from rmm.errors import ConfigError
 from rmm.policy.learner import LearnerConfig, recipe_config
 
+if TYPE_CHECKING:
+    from rmm.memory.hybrid import Fusion
+
 __all__ = [
     "DEFAULT_KEYS_ENV",
+    "RETRIEVER_FUSIONS",
     "AuthConfig",
     "BatchingConfig",
     "ConfigError",
@@ -35,6 +39,8 @@ __all__ = [
 DEFAULT_KEYS_ENV = "RMM_API_KEYS"
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _MIN_KEY_LENGTH = 8
+# `retriever:` → the rmm.memory.hybrid fusion over the bank (None: the bank's own dense search)
+RETRIEVER_FUSIONS: dict[str, Fusion | None] = {"dense": None, "hybrid": "rrf", "bm25": "lexical"}
 
 
 @dataclass
@@ -141,9 +147,10 @@ class ServeConfig:
     recipe: str = "auto"  # learner hyper-parameters: auto | paper | normalized (rmm.policy.learner.RECIPES)
     explore: bool = True
     scope: Literal["topk", "bank"] = "topk"
-    # dense: the encoder's bank search | hybrid: BM25 over the bank's memories fused with it
-    # (rmm.memory.hybrid); hybrid candidates give the reranker its lexical feature
-    retriever: Literal["dense", "hybrid"] = "dense"
+    # dense: the encoder's bank search | hybrid: BM25 over the bank's memories fused with it |
+    # bm25: BM25's ranking alone over the bank's memories (rmm.memory.hybrid); hybrid and bm25
+    # candidates carry the bank's embeddings and give the reranker its lexical feature
+    retriever: Literal["dense", "hybrid", "bm25"] = "dense"
     # whose feedback trains the reranker that ranks whose memories: each tenant learns alone by
     # default; "bank" (one reranker every tenant trains and is ranked by) only by explicit choice
     reranker_per: Literal["bank", "tenant", "user"] = "tenant"
@@ -167,6 +174,11 @@ class ServeConfig:
     seed: int = 0
     log_level: str = "info"
 
+    @property
+    def first_stage_fusion(self) -> Fusion | None:
+        """How BM25 enters the first stage (`RETRIEVER_FUSIONS`); None for the dense search alone."""
+        return RETRIEVER_FUSIONS[self.retriever]
+
     def validate(self) -> ServeConfig:
         if not self.bank:
             raise ConfigError("bank: a bank folder is required (rmm serve --bank PATH, or `bank:` in the config)")
@@ -187,8 +199,8 @@ class ServeConfig:
             raise ConfigError(f"tau must be > 0, got {self.tau}")
         if self.scope not in ("topk", "bank"):
             raise ConfigError(f"scope must be 'topk' or 'bank', got {self.scope!r}")
-        if self.retriever not in ("dense", "hybrid"):
-            raise ConfigError(f"retriever must be 'dense' or 'hybrid', got {self.retriever!r}")
+        if self.retriever not in RETRIEVER_FUSIONS:
+            raise ConfigError(f"retriever must be 'dense', 'hybrid' or 'bm25', got {self.retriever!r}")
         if self.reranker_per not in ("bank", "tenant", "user"):
             raise ConfigError(f"reranker_per must be 'bank', 'tenant' or 'user', got {self.reranker_per!r}")
         if self.selection_ttl_s <= 0:

@@ -43,8 +43,10 @@ class BatchRetriever:
                  selections: SelectionStore, *, tau: float) -> None:
         self.config, self.bank, self.encoder, self.learners = config, bank, encoder, learners
         self.selections, self.tau = selections, tau
-        # the first stage: the dense bank, or BM25 fused with it (candidates carry the lexical feature)
-        self.first_stage = HybridRetriever(bank) if config.retriever == "hybrid" else bank
+        # the first stage: the dense bank, or BM25 over its memories, fused with it or alone
+        # (candidates carry the bank's embeddings and the lexical feature)
+        fusion = config.first_stage_fusion
+        self.first_stage = bank if fusion is None else HybridRetriever(bank, fusion=fusion)
         self._generators: dict[str, torch.Generator] = {}
 
     def _generator(self, key: str) -> torch.Generator:
