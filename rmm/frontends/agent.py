@@ -18,7 +18,8 @@ dense fused, `rmm.memory.hybrid`) only chooses the K candidates: the reflector s
 the dense bank, and BM25 reads the bank's store, rebuilding a user's index whenever that user's
 store generation moved, so a memory added by `end_session` is found lexically by the next query.
 Hybrid candidates carry their lexical feature; the Selection keeps it as scored, so the update
-(now or delayed) learns the lexical weight from what was sampled.
+(now or delayed) learns the lexical weight from what was sampled. A `HybridRetriever` given as `bank`
+still means the same but is deprecated (one way to ask: `first_stage=`).
 
 Decisions where the paper is silent: `end_session` stores topic memories only, as the paper
 does (`store_turns=True` also stores each raw turn as a turn memory); extraction is asked about
@@ -28,6 +29,7 @@ the user only (the whole session is shown, but memories about the assistant help
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -67,7 +69,7 @@ class Response:
 
 
 class Agent:
-    def __init__(self, bank: MemoryBank, llm: LLM, *, first_stage: HybridRetriever | None = None,
+    def __init__(self, bank: MemoryBank | HybridRetriever, llm: LLM, *, first_stage: HybridRetriever | None = None,
                  learner: Learner | None = None, per_user: bool = False,
                  reflector: ProspectiveReflector | None = None, k: int = 20, m: int = 5, tau: float | None = None,
                  learn: bool = True, structured: bool = False, sessions: SessionLog | None = None,
@@ -76,7 +78,7 @@ class Agent:
                  recipe: str = "auto") -> None:
         if m > k:
             raise ValueError(f"cannot show M={m} memories out of K={k} candidates")
-        _check_first_stage(bank, first_stage)
+        bank, first_stage = _split_first_stage(bank, first_stage)
         if learner_config is None:  # `auto`: the paper's for dot products, sharper for cosines
             learner_config = recipe_config(recipe, is_normalized_encoder(bank.encoder), tau=tau)
         tau = learner_config.tau if tau is None else tau
@@ -174,11 +176,18 @@ class Agent:
         return user if self.per_user else SHARED
 
 
-def _check_first_stage(bank: MemoryBank, first_stage: HybridRetriever | None) -> None:
-    """The bank is what the reflector writes into; a first stage must search that same bank, or new
-    memories would never be found."""
+def _split_first_stage(bank: MemoryBank | HybridRetriever,
+                       first_stage: HybridRetriever | None) -> tuple[MemoryBank, HybridRetriever | None]:
+    """(the dense bank written into, the first stage or None). A given first stage must search the
+    bank the agent writes into, or new memories would never be found; a hybrid `bank` (deprecated)
+    is read as `first_stage=` over its dense bank."""
     if isinstance(bank, HybridRetriever):
-        raise RmmError("pass the dense bank as `bank` and the HybridRetriever over it as `first_stage=`")
+        warnings.warn("Agent(HybridRetriever(bank), ...) is deprecated: pass Agent(bank, ..., "
+                      "first_stage=HybridRetriever(bank))", DeprecationWarning, stacklevel=3)
+        if first_stage is not None and first_stage is not bank:
+            raise RmmError("give the hybrid retriever as first_stage= only, over the dense bank given as bank")
+        bank, first_stage = bank.bank, bank
     if first_stage is not None and first_stage.bank is not bank:
         raise RmmError("the first stage must search the agent's own bank (HybridRetriever(bank)): memories the "
                        "reflector writes would otherwise never be retrieved")
+    return bank, first_stage
