@@ -2,7 +2,7 @@
 
 Each named run is `rmm.training.online.OnlineTrainer` (the program behind `rmm train`, simulated
 citer) on the recipe `rmm train` picks (`auto`) plus the run's overrides. The bank is opened once,
-query vectors come from an on-disk cache (`rmm.eval.query_cache`), and — unless `--read-heldout`
+query vectors come from an on-disk cache (`rmm.encoders.passage_cache`), and — unless `--read-heldout`
 is given — only the training stream is run: held-out questions are neither searched nor scored,
 so no choice made from this script's output can have seen them.
 
@@ -36,8 +36,8 @@ from rmm.training.online import Asked, OnlineConfig, OnlineTrainer
 from rmm.training.splits import split_questions
 
 from rmm.data import load_dataset
+from rmm.encoders.passage_cache import attach_cache
 from rmm.eval.benchmark_bank import open_retriever
-from rmm.eval.query_cache import cache_queries
 from rmm.eval.retrieval import (
     SEPARATE_CATEGORIES,
     GoldScorer,
@@ -195,12 +195,11 @@ def main() -> None:
         dataset.questions = [replace(q, text=PREFIX.sub("", q.text)) for q in dataset.questions]
     opened = open_retriever(args.retriever, dataset, args.granularity, progress=False)
     if args.alone:
-        alone_cache = cache_queries(opened.retriever.encoder) if opened.encoder is not None else None
+        if opened.encoder is not None:
+            attach_cache(opened.retriever.encoder)
         row = {"name": "alone", "dataset": args.dataset, "retriever": args.retriever,
                "granularity": args.granularity, "heldout": alone_table(dataset, opened.retriever, 20, 5),
                "load": os.getloadavg()[0]}
-        if alone_cache is not None:
-            alone_cache.flush()
         h = row["heldout"]["headline"]
         log.info("%s · %s · %s alone, HELD-OUT R@5 %.1f R@20 %.1f nDCG@5 %.1f", args.dataset, args.retriever,
                  args.granularity, 100 * h["base recall@5"], 100 * h["base recall@20"], 100 * h["base ndcg@5"])
@@ -208,7 +207,7 @@ def main() -> None:
             with args.out.open("a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
         return
-    cache = cache_queries(opened.retriever.encoder)
+    attach_cache(opened.retriever.encoder)
     recipe = recipe_for(args.recipe, opened.encoder.config.normalize)
     default_lexical_init = reranker_module.LEXICAL_INIT
     log.info("# %s · %s · %s memories · recipe %s · limit %s · load %.1f", args.dataset, args.retriever,
@@ -224,7 +223,6 @@ def main() -> None:
         report = trainer.run() if args.read_heldout else None
         if report is None:
             train_only(trainer)
-        cache.flush()
         row: dict[str, Any] = {"name": name, "dataset": args.dataset, "retriever": args.retriever,
                                "granularity": args.granularity, "strip_prefix": args.strip_prefix,
                                "limit": args.limit, "overrides": overrides, "prequential": prequential(trainer),

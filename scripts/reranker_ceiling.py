@@ -26,8 +26,8 @@ from rmm.training.online import OnlineConfig
 from rmm.training.splits import split_questions
 
 from rmm.data import load_dataset
+from rmm.encoders.passage_cache import attach_cache
 from rmm.eval.benchmark_bank import open_retriever
-from rmm.eval.query_cache import cache_queries
 from rmm.eval.retrieval import SEPARATE_CATEGORIES, GoldScorer, scorable
 
 log = logging.getLogger("reranker_ceiling")
@@ -54,7 +54,7 @@ def main() -> None:
 
     dataset = load_dataset(args.dataset, download=False)
     opened = open_retriever(args.retriever, dataset, "turn", progress=False)
-    cache = cache_queries(opened.retriever.encoder)
+    attach_cache(opened.retriever.encoder)
     bank = opened.retriever
     scorer = GoldScorer.for_dataset(dataset, "turn")
     split = split_questions(dataset, scorable(dataset.questions, scorer), OnlineConfig())
@@ -77,7 +77,6 @@ def main() -> None:
             rows["fit" if user in fit_users else "check"].append(
                 (c.query_embedding.reshape(-1), c.embeddings, label, float(len(gold)),
                  torch.zeros(args.k) if getattr(c, "lexical", None) is None else c.lexical.reshape(-1).float()))
-    cache.flush()
     tensors = {name: (torch.stack([r[0] for r in rs]), torch.stack([r[1] for r in rs]),
                       torch.stack([r[2] for r in rs]), torch.tensor([r[3] for r in rs]),
                       torch.stack([r[4] for r in rs])) for name, rs in rows.items()}

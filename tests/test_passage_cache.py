@@ -1,5 +1,6 @@
 """What makes the non-LLM topic bank fast without changing it: token-capped batches, each distinct
-token sequence run once, a passage-vector cache keyed by token ids, and merges re-encoded in one call."""
+token sequence run once, a vector cache keyed by token ids (passages, and queries with their
+prefix), and merges re-encoded in one call."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from rmm.encoders import Encoder, EncoderConfig
-from rmm.encoders.passage_cache import PassageCache, token_key
+from rmm.encoders.passage_cache import PassageCache, attach_cache, token_key
 from rmm.errors import CorruptFileError, DimensionMismatchError
 from rmm.memory.bank import MemoryBank
 from rmm.types import Dataset, Memory, Session, Turn
@@ -35,8 +36,9 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> Pa
     return folder
 
 
-def _encoder(folder: Path, **options: object) -> Encoder:
-    return Encoder(EncoderConfig(name="tiny", model_path=folder, max_length=64), device="cpu", **options)  # type: ignore[arg-type]
+def _encoder(folder: Path, query_prefix: str = "", **options: object) -> Encoder:
+    config = EncoderConfig(name="tiny", model_path=folder, max_length=64, query_prefix=query_prefix)
+    return Encoder(config, device="cpu", **options)  # type: ignore[arg-type]
 
 
 class RunCounter:
@@ -89,8 +91,8 @@ def test_identical_token_sequences_run_once(tiny_bert: Path, monkeypatch: pytest
 
 
 # ---- the passage cache --------------------------------------------------------------------------
-def test_cache_answers_what_it_has_seen_and_only_for_passages(tiny_bert: Path, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_answers_the_passages_it_has_seen(tiny_bert: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     encoder = _encoder(tiny_bert)
     fresh = encoder.encode_passages(TEXTS)
     encoder.passage_cache = PassageCache.for_encoder(tmp_path, encoder)
@@ -103,10 +105,47 @@ def test_cache_answers_what_it_has_seen_and_only_for_passages(tiny_bert: Path, t
     assert len(runs.sequences) == 2 and torch.equal(again[:3], first)
     assert torch.allclose(again, fresh, atol=1e-6)
     assert (encoder.passage_cache.hits, encoder.passage_cache.misses) == (3, 5)
-    runs.sequences.clear()
-    encoder.encode_queries(TEXTS[:3])  # queries are never cached (nor answered from the cache)
-    assert len(runs.sequences) == 3
     encoder.passage_cache.close()
+
+
+def test_cache_answers_queries_under_their_own_prefix(tiny_bert: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Query vectors come from the same cache, keyed by the tokens the model reads (prefix included):
+    cached = fresh, and a prefixed query never gets the passage vector of the same text."""
+    encoder = _encoder(tiny_bert, query_prefix="query: ")
+    fresh_queries, fresh_passages = encoder.encode_queries(TEXTS), encoder.encode_passages(TEXTS)
+    assert not torch.allclose(fresh_queries, fresh_passages, atol=1e-3)  # the prefix changes the vectors
+    cache = attach_cache(encoder, tmp_path)
+    assert cache is not None and encoder.passage_cache is cache and cache.path.parent == tmp_path / "passages"
+    encoder.encode_passages(TEXTS)
+    runs = RunCounter(encoder, monkeypatch)
+    first = encoder.encode_queries(TEXTS)
+    assert len(runs.sequences) == 5 and torch.allclose(first, fresh_queries, atol=1e-6)
+    runs.sequences.clear()
+    again = encoder.encode_queries(TEXTS[::-1])
+    assert runs.sequences == [] and torch.equal(again, first.flip(0))  # every query from the cache
+    cache.close()
+
+    # another process (a new encoder, same weights and prefix) reads the file and runs nothing
+    later = _encoder(tiny_bert, query_prefix="query: ")
+    reopened = attach_cache(later, tmp_path)
+    runs = RunCounter(later, monkeypatch)
+    assert torch.equal(later.encode_queries(TEXTS), first) and runs.sequences == []
+    assert reopened is not None and (reopened.hits, reopened.misses) == (5, 0)
+    reopened.close()
+
+    # another prefix reads other tokens: nothing of the first prefix's queries is reused
+    other = _encoder(tiny_bert, query_prefix="search: ")
+    attach_cache(other, tmp_path)
+    runs = RunCounter(other, monkeypatch)
+    other.encode_queries(TEXTS)
+    assert len(runs.sequences) == 5
+
+
+def test_attach_cache_leaves_an_encoder_without_the_hook_alone(tmp_path: Path) -> None:
+    encoder = WordEncoder()
+    assert attach_cache(encoder, tmp_path) is None and not hasattr(encoder, "passage_cache")
+    assert not (tmp_path / "passages").exists()
 
 
 def test_cache_file_persists_and_refuses_another_identity(tiny_bert: Path, tmp_path: Path) -> None:
@@ -125,6 +164,22 @@ def test_cache_file_persists_and_refuses_another_identity(tiny_bert: Path, tmp_p
     bf16 = PassageCache.for_encoder(tmp_path, _encoder(tiny_bert, dtype=torch.bfloat16))
     assert bf16.path != reopened.path and len(bf16) == 0  # another dtype never shares vectors
     bf16.close()
+
+
+def test_two_writers_of_one_file_both_keep_their_vectors(tiny_bert: Path, tmp_path: Path) -> None:
+    """Two processes sharing a cache file (two scripts at once) lose nothing of each other's."""
+    encoder = _encoder(tiny_bert)
+    a, b = PassageCache.for_encoder(tmp_path, encoder), PassageCache.for_encoder(tmp_path, encoder)
+    keys = [token_key(ids) for ids in encoder.tokenize(TEXTS[:2])]
+    vectors = encoder.encode_passages(TEXTS[:2])
+    a.put(keys[:1], vectors[:1])
+    b.put(keys[1:], vectors[1:])
+    a.close()
+    b.close()
+    reopened = PassageCache.for_encoder(tmp_path, encoder)
+    found = reopened.get(keys)
+    assert torch.equal(torch.stack([found[k] for k in keys]), vectors)
+    reopened.close()
 
 
 # ---- merges re-encoded together ---------------------------------------------------------------

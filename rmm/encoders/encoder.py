@@ -221,8 +221,9 @@ class Encoder:
     `onednn` (an addition to the contract's arguments; None = on for CPU float32) runs the model's
     linear layers through oneDNN at inference, see `OneDnnLinear`. `max_batch_tokens` caps a
     batch's padded size as well as `batch_size` its texts (None = `CPU_BATCH_TOKENS` on a CPU, no
-    cap elsewhere). `passage_cache` (a `PassageCache`, off by default) answers passages whose token
-    ids it has seen; identical token sequences within one call are always encoded once.
+    cap elsewhere). `passage_cache` (a `PassageCache`, off by default) answers queries and passages
+    whose token ids (prefix included) it has seen; identical token sequences within one call are
+    always encoded once.
     """
 
     def __init__(self, config: EncoderConfig, device: str | torch.device = "auto",
@@ -341,7 +342,7 @@ class Encoder:
     # ---------------------------------------------------------------- encoding
 
     def encode_queries(self, texts: Sequence[str]) -> Tensor:
-        return self._encode(texts, self.config.query_prefix)
+        return self._encode(texts, self.config.query_prefix, self.passage_cache)
 
     def encode_passages(self, texts: Sequence[str]) -> Tensor:
         return self._encode(texts, self.config.passage_prefix, self.passage_cache)

@@ -1,17 +1,23 @@
-"""Passage vectors kept on disk, keyed by exactly what the model reads: an encoder's token ids.
+"""Encoder vectors kept on disk, keyed by exactly what the model reads: an encoder's token ids.
 
-Why: the same passages are encoded again and again by one user's commands. `rmm eval --granularity
+Why: the same texts are encoded again and again by one user's commands. `rmm eval --granularity
 turn topic` encodes every turn for the turn bank and then again for the topic bank's segmentation;
 a topic bank rebuilt with other reflector settings re-encodes every topic that comes out the same;
-a merged topic whose text was already past `max_length` reads the same tokens as before. A cache
-keyed by the token ids (after the prefix and the truncation, so two texts that the model cannot
-tell apart share an entry) answers all of these without running the model.
+a merged topic whose text was already past `max_length` reads the same tokens as before; a script
+that runs many trainings over one benchmark (`scripts/reranker_ablations.py`) searches the same
+questions in every run. A cache keyed by the token ids (after the prefix and the truncation, so
+two texts that the model cannot tell apart share an entry) answers all of these without running
+the model. Queries and passages share it: a query's ids include its prefix or instruction, so a
+query and a passage meet in one entry only when the model reads the same tokens — and then it
+computes the same vector.
 
 One SQLite file per encoder *and* device/dtype: the fingerprint deliberately ignores where the
 weights run (a bank built on a GPU opens on a CPU), but a bfloat16 vector is not a float32 one,
 and a cache must hand back what this encoder would compute. Vectors computed in another batch
 differ from a fresh encode only by float rounding (~1e-7). Never attach a cache to an encoder whose
-weights are being trained: the fingerprint is computed once, at load.
+weights are being trained: the fingerprint is computed once, at load. `rmm train` searches its
+questions uncached (the cache is attached only while `open_retriever` builds a bank): another
+batch's rounding could move near-ties and the README's figures must reproduce to the digit.
 """
 
 from __future__ import annotations
@@ -22,14 +28,15 @@ import sqlite3
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from rmm.errors import CorruptFileError
+from rmm.paths import cache_dir
 
-__all__ = ["PassageCache", "token_key"]
+__all__ = ["CACHE_SUBDIR", "PassageCache", "attach_cache", "token_key"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +45,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS vectors (key BLOB PRIMARY KEY, vector BLOB NOT NULL);
 """
 _LOOKUP_CHUNK = 500  # SQLite's host-parameter limit is 999 on old builds
+CACHE_SUBDIR = "passages"  # the cache files' folder under the rmm cache directory
 
 
 class _Identified(Protocol):
@@ -51,7 +59,8 @@ def token_key(ids: Sequence[int]) -> bytes:
 
 
 class PassageCache:
-    """Token ids → passage vector for one encoder identity (`fingerprint`, `dim`, `variant`).
+    """Token ids → vector (a passage's or a query's) for one encoder identity (`fingerprint`, `dim`,
+    `variant`); an rmm `Encoder` reads it through its `passage_cache` attribute.
 
     `variant` names what the fingerprint leaves out but the numbers depend on (device type, dtype).
     A file written for another identity is refused, never silently mixed.
@@ -128,3 +137,14 @@ class PassageCache:
 
     def __repr__(self) -> str:
         return f"PassageCache({str(self.path)!r}, dim={self.dim})"
+
+
+def attach_cache(encoder: Any, cache: str | Path | None = None) -> PassageCache | None:
+    """Give `encoder` its cache under `<cache>/passages/` (default the rmm cache directory) for the
+    rest of the process, queries and passages alike: for scripts that encode the same questions
+    run after run. None (nothing attached) for an encoder without the hook, i.e. not an rmm `Encoder`."""
+    if not hasattr(encoder, "passage_cache"):
+        return None
+    opened = PassageCache.for_encoder(cache_dir(cache) / CACHE_SUBDIR, encoder)
+    encoder.passage_cache = opened
+    return opened
