@@ -14,7 +14,9 @@ batch stay unapplied in the database, so a learner that dies loses nothing: the 
 re-reads them.
 
 When the learner dies its connection drops, PostgreSQL releases the lock, and another replica
-takes it at its next try (about a second). Every replica that is not the learner polls the newest
+takes it at its next try (about a second). A replica that is not the learner keeps its lock
+connection open between tries (a try is one query on it, not a connect), and opens a new one
+only when that one broke. Every replica that is not the learner polls the newest
 version of each key every `reload_interval_s` and swaps it in (`LearnerRegistry.refresh`); the
 learner's own rerankers are always the newest, since it wrote them.
 """
@@ -97,7 +99,8 @@ class SharedLearning:
         self.batch_rows = batch_rows
         self.lock_key = learner_lock_key(db.where.schema)
         self.stats = LeaseStats()
-        self._conn: psycopg.Connection[Any] | None = None
+        self._conn: psycopg.Connection[Any] | None = None  # the lock's connection while this replica learns
+        self._idle: psycopg.Connection[Any] | None = None  # the connection tries run on, kept between them
         self._buffered: dict[str, list[int]] = defaultdict(list)  # key -> seqs recorded, not yet in a version
         self._touched: set[str] = set()
         self._stop = threading.Event()
@@ -116,6 +119,7 @@ class SharedLearning:
             self._thread.join(timeout)
             self._thread = None
         self._release()
+        self._close_idle()
 
     @property
     def is_learner(self) -> bool:
@@ -143,17 +147,23 @@ class SharedLearning:
             self._stop.wait(max(0.02, wait))
 
     def try_acquire(self) -> bool:
-        """Take the learner lock if nobody holds it; on success, start from the newest versions."""
-        conn = self.db.dedicated(**_KEEPALIVE, application_name=f"{APPLICATION_NAME}:{os.getpid()}")
+        """Take the learner lock if nobody holds it; on success, start from the newest versions.
+
+        Tries run on one connection kept open between them (reopened only when it broke), so a
+        replica that is not the learner costs the server one idle session, not a connect a second."""
+        if self._idle is not None and (self._idle.closed or self._idle.broken):
+            self._close_idle()
+        if self._idle is None:
+            self._idle = self.db.dedicated(**_KEEPALIVE, application_name=f"{APPLICATION_NAME}:{os.getpid()}")
+        conn = self._idle
         try:
             got = bool(conn.execute("SELECT pg_try_advisory_lock(%s)", (self.lock_key,)).fetchone()[0])  # type: ignore[index]
         except Exception:
-            conn.close()
+            self._close_idle()  # lost or unusable: the next try connects afresh
             raise
         if not got:
-            conn.close()
             return False
-        self._conn = conn
+        self._idle, self._conn = None, conn
         self.stats.is_learner = True
         self.stats.acquisitions += 1
         self._buffered.clear()
@@ -228,9 +238,17 @@ class SharedLearning:
     def _release(self) -> None:
         conn, self._conn = self._conn, None
         self.stats.is_learner = False
-        if conn is not None:
-            try:
-                conn.close()  # the session ends: PostgreSQL releases the advisory lock
-            except Exception:
-                log.debug("closing the learner lock connection failed", exc_info=True)
+        _close(conn)  # the session ends: PostgreSQL releases the advisory lock
+
+    def _close_idle(self) -> None:
+        conn, self._idle = self._idle, None
+        _close(conn)
+
+
+def _close(conn: psycopg.Connection[Any] | None) -> None:
+    if conn is not None:
+        try:
+            conn.close()
+        except Exception:
+            log.debug("closing a learner lock connection failed", exc_info=True)
 
