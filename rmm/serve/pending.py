@@ -44,7 +44,17 @@ from rmm.serve.errors import (
     UnknownSelectionError,
 )
 
-__all__ = ["PendingSelection", "SelectionStore", "Selections", "open_selections"]
+__all__ = [
+    "SELECTION_COLUMNS",
+    "SQLITE_FORMAT",
+    "PendingSelection",
+    "RowFormat",
+    "SelectionStore",
+    "Selections",
+    "open_selections",
+    "selection_from_row",
+    "selection_row",
+]
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +90,13 @@ _ADDED_COLUMNS = {
     "lexical": "BLOB",  # [K] float32 lexical feature as scored (hybrid first stage); NULL = none
 }
 
-_COLUMNS = ("id, tenant, user_id, reranker_key, query, memory_ids, chosen, explore, query_emb, scores, logp, noise, "
-            "created_at, expires_at, consumed_at, embeddings, tau, version, mask, lexical")
-_N_COLUMNS = len(_COLUMNS.split(","))
+# A selection row's columns, in the order `selection_row` writes and `selection_from_row` reads
+# them — for both stores (SQLite here, PostgreSQL in `pg_pending`): a new field is added here once.
+SELECTION_COLUMNS = ("id", "tenant", "user_id", "reranker_key", "query", "memory_ids", "chosen", "explore",
+                     "query_emb", "scores", "logp", "noise", "created_at", "expires_at", "consumed_at",
+                     "embeddings", "tau", "version", "mask", "lexical")
+_COLUMNS = ", ".join(SELECTION_COLUMNS)
+_N_COLUMNS = len(SELECTION_COLUMNS)
 
 EmbeddingsOf = Callable[[str, list[str]], torch.Tensor]  # (user_id, memory ids) -> [K, d]
 
@@ -119,7 +133,7 @@ def _blob(tensor: torch.Tensor | None) -> bytes | None:
     return np.ascontiguousarray(tensor.detach().float().cpu().numpy(), dtype=np.float32).tobytes()
 
 
-def _tensor(blob: bytes | None) -> torch.Tensor | None:
+def _tensor(blob: bytes | memoryview | None) -> torch.Tensor | None:
     if blob is None:
         return None
     return torch.from_numpy(np.frombuffer(blob, dtype=np.float32).copy())
@@ -129,11 +143,26 @@ def _mask_blob(mask: torch.Tensor | None) -> bytes | None:
     return None if mask is None else mask.detach().cpu().to(torch.uint8).numpy().tobytes()
 
 
-def _row(s: PendingSelection) -> tuple:
-    return (s.id, s.tenant, s.user_id, s.reranker_key, s.query, json.dumps(s.memory_ids), json.dumps(s.chosen),
-            int(s.explore), _blob(s.query_embedding), _blob(s.scores), _blob(s.logp), _blob(s.noise),
-            s.created_at, s.expires_at, None, _blob(s.embeddings), None if s.tau is None else float(s.tau),
-            None if s.version is None else int(s.version), _mask_blob(s.mask), _blob(s.lexical))
+@dataclass(frozen=True)
+class RowFormat:
+    """How a database spells a selection row's JSON lists and its explore flag; tensors are float32
+    bytes (the mask uint8) and times are floats in both, so the rest of the codec is shared."""
+
+    dump_json: Callable[[list[Any]], Any]
+    load_json: Callable[[Any], list[Any]]
+    dump_bool: Callable[[bool], Any]
+
+
+SQLITE_FORMAT = RowFormat(dump_json=json.dumps, load_json=json.loads, dump_bool=int)  # TEXT, INTEGER 0/1
+
+
+def selection_row(s: PendingSelection, fmt: RowFormat = SQLITE_FORMAT) -> tuple[Any, ...]:
+    """A new (not yet rewarded) selection's values in `SELECTION_COLUMNS` order."""
+    return (s.id, s.tenant, s.user_id, s.reranker_key, s.query, fmt.dump_json(list(s.memory_ids)),
+            fmt.dump_json(list(s.chosen)), fmt.dump_bool(bool(s.explore)), _blob(s.query_embedding), _blob(s.scores),
+            _blob(s.logp), _blob(s.noise), float(s.created_at), float(s.expires_at), None, _blob(s.embeddings),
+            None if s.tau is None else float(s.tau), None if s.version is None else int(s.version),
+            _mask_blob(s.mask), _blob(s.lexical))
 
 
 class Selections(Protocol):
@@ -207,7 +236,7 @@ class SelectionStore:
         if not selections:
             return
         require_embeddings(selections)
-        rows = [_row(s) for s in selections]
+        rows = [selection_row(s) for s in selections]
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
@@ -266,7 +295,7 @@ class SelectionStore:
                 row = self._conn.execute(f"SELECT {_COLUMNS} FROM selections WHERE id=?", (selection_id,)).fetchone()
                 if row is None or row[1] != tenant:
                     raise unknown_selection(selection_id)
-                selection = _from_row(row)
+                selection = selection_from_row(row)
                 refuse_unusable(selection, now, self.ttl_s)
                 stored = check(selection) if check is not None else None
                 self._conn.execute("UPDATE selections SET consumed_at=?, feedback=? WHERE id=?",
@@ -340,19 +369,21 @@ def refuse_unusable(selection: PendingSelection, now: float, ttl_s: float) -> No
         )
 
 
-def _from_row(row: tuple) -> PendingSelection:
+def selection_from_row(row: tuple[Any, ...], fmt: RowFormat = SQLITE_FORMAT) -> PendingSelection:
+    """A selection from its values in `SELECTION_COLUMNS` order (NULL in columns an older rmm did not write)."""
     query_embedding = _tensor(row[8])
     scores = _tensor(row[9])
     assert query_embedding is not None and scores is not None
-    memory_ids = list(json.loads(row[5]))
+    memory_ids = [str(m) for m in fmt.load_json(row[5])]
     embeddings = _tensor(row[15])
     if embeddings is not None:
         embeddings = embeddings.reshape(len(memory_ids), query_embedding.numel())
     mask = None if row[18] is None else torch.from_numpy(np.frombuffer(row[18], dtype=np.uint8).copy()).bool()
     return PendingSelection(
         id=row[0], tenant=row[1], user_id=row[2], reranker_key=row[3], query=row[4],
-        memory_ids=memory_ids, chosen=list(json.loads(row[6])), explore=bool(row[7]),
+        memory_ids=memory_ids, chosen=[int(c) for c in fmt.load_json(row[6])], explore=bool(row[7]),
         query_embedding=query_embedding, scores=scores, logp=_tensor(row[10]), noise=_tensor(row[11]),
-        created_at=row[12], expires_at=row[13], consumed_at=row[14], embeddings=embeddings,
-        tau=row[16], version=row[17], mask=mask, lexical=_tensor(row[19]),
+        created_at=float(row[12]), expires_at=float(row[13]), consumed_at=None if row[14] is None else float(row[14]),
+        embeddings=embeddings, tau=None if row[16] is None else float(row[16]),
+        version=None if row[17] is None else int(row[17]), mask=mask, lexical=_tensor(row[19]),
     )

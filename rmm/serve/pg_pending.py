@@ -8,7 +8,9 @@ it, and the learner — whichever replica holds the learner lock — rebuilds th
 alone. Claiming a selection appends its feedback to the `feedback` table in the same transaction
 (committed before the HTTP answer), so acknowledged feedback survives any replica's death; the
 learner applies it later (`learns_in_background`). A rewarded selection whose feedback the
-learner has not applied yet is never swept.
+learner has not applied yet is never swept. Rows go through the SQLite store's codec
+(`rmm.serve.pending.selection_row` / `selection_from_row`: the same columns and encodings, with
+JSONB and BOOLEAN where SQLite has TEXT and INTEGER), so a new field is added in one place.
 """
 
 from __future__ import annotations
@@ -19,19 +21,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
 from rmm.memory.pg_database import PgDatabase
 from rmm.serve.errors import UnknownSelectionError
 from rmm.serve.pending import (
+    SELECTION_COLUMNS,
     EmbeddingsOf,
     PendingSelection,
-    _blob,
-    _mask_blob,
-    _tensor,
+    RowFormat,
     refuse_unusable,
     require_embeddings,
+    selection_from_row,
+    selection_row,
     unknown_selection,
 )
 
@@ -42,9 +42,17 @@ __all__ = ["AppliedFeedback", "PgSelectionStore", "mark_applied", "skip_unlearna
 
 log = logging.getLogger(__name__)
 
-_COLUMNS = ("id, tenant, user_id, reranker_key, query, memory_ids, chosen, explore, query_emb, scores, logp, noise, "
-            "embeddings, tau, version, mask, created_at, expires_at, consumed_at, lexical")
-_PREFIXED = ", ".join(f"s.{c.strip()}" for c in _COLUMNS.split(","))
+_COLUMNS = ", ".join(SELECTION_COLUMNS)  # the SQLite store's columns and codec, spelled for PostgreSQL
+_PREFIXED = ", ".join(f"s.{c}" for c in SELECTION_COLUMNS)
+
+
+def _jsonb(value: list[Any]) -> Any:
+    from psycopg.types.json import Jsonb
+
+    return Jsonb(value)
+
+
+_FORMAT = RowFormat(dump_json=_jsonb, load_json=list, dump_bool=bool)  # JSONB (read back as lists), BOOLEAN
 
 
 @dataclass
@@ -72,17 +80,11 @@ class PgSelectionStore:
         """Persist a batch's selections in one transaction, committed before the results are returned."""
         if not selections:
             return
-        from psycopg.types.json import Jsonb
-
         require_embeddings(selections)
-        rows = [(s.id, s.tenant, s.user_id, s.reranker_key, s.query, Jsonb(list(s.memory_ids)), Jsonb(list(s.chosen)),
-                 bool(s.explore), _blob(s.query_embedding), _blob(s.scores), _blob(s.logp), _blob(s.noise),
-                 _blob(s.embeddings), None if s.tau is None else float(s.tau),
-                 None if s.version is None else int(s.version), _mask_blob(s.mask), s.created_at, s.expires_at, None,
-                 _blob(s.lexical))
-                for s in selections]
+        rows = [selection_row(s, _FORMAT) for s in selections]
         with self.db.tx() as cur:
-            cur.executemany(f"INSERT INTO selections ({_COLUMNS}) VALUES ({', '.join(['%s'] * len(rows[0]))})", rows)
+            cur.executemany(f"INSERT INTO selections ({_COLUMNS}) VALUES ({', '.join(['%s'] * len(SELECTION_COLUMNS))})",
+                            rows)
 
     def upgrade_legacy(self, embeddings_of: EmbeddingsOf, now: float | None = None) -> tuple[int, int]:
         """Nothing to upgrade: every row in the database was written with its embeddings (NOT NULL)."""
@@ -192,22 +194,5 @@ def skip_unlearnable(cur: psycopg.Cursor[Any], seq: int, why: str) -> None:
     log.error("feedback row %d cannot be learned from (%s); marked learn = false", seq, why)
 
 
-def _from_row(row: tuple) -> PendingSelection:
-    memory_ids = [str(m) for m in row[5]]
-    query_embedding = _tensor(bytes(row[8]))
-    scores = _tensor(bytes(row[9]))
-    embeddings = _tensor(bytes(row[12]))
-    assert query_embedding is not None and scores is not None and embeddings is not None
-    mask = None if row[15] is None else torch.from_numpy(np.frombuffer(bytes(row[15]), dtype=np.uint8).copy()).bool()
-    return PendingSelection(
-        id=row[0], tenant=row[1], user_id=row[2], reranker_key=row[3], query=row[4], memory_ids=memory_ids,
-        chosen=[int(c) for c in row[6]], explore=bool(row[7]), query_embedding=query_embedding, scores=scores,
-        logp=_tensor(None if row[10] is None else bytes(row[10])),
-        noise=_tensor(None if row[11] is None else bytes(row[11])),
-        embeddings=embeddings.reshape(len(memory_ids), query_embedding.numel()),
-        tau=None if row[13] is None else float(row[13]), version=None if row[14] is None else int(row[14]),
-        mask=mask, created_at=float(row[16]), expires_at=float(row[17]),
-        consumed_at=None if row[18] is None else float(row[18]),
-        lexical=None if row[19] is None else _tensor(bytes(row[19])),
-    )
-
+def _from_row(row: tuple[Any, ...]) -> PendingSelection:
+    return selection_from_row(row, _FORMAT)
