@@ -94,11 +94,11 @@ def test_the_hybrid_is_the_first_stage_and_the_bank_is_written_into(bank: Memory
     agent = Agent(bank, ScriptedLLM(cite_mentions("cello")), first_stage=hybrid, k=5, m=3)
     assert agent.bank is bank and agent.first_stage is hybrid
     assert agent.reflector.bank is bank
-    with pytest.warns(DeprecationWarning, match="first_stage="):  # the old way still means the same
-        old = Agent(hybrid, ScriptedLLM(cite_mentions("cello")), k=5, m=3)
-    assert old.bank is bank and old.first_stage is hybrid and old.reflector.bank is bank
-    with pytest.warns(DeprecationWarning), pytest.raises(RmmError, match="first_stage= only"):
-        Agent(hybrid, ScriptedLLM(cite_mentions("cello")), first_stage=HybridRetriever(bank), k=5, m=3)
+    over = Agent.over(hybrid, ScriptedLLM(cite_mentions("cello")), k=5, m=3)  # one argument, either kind
+    assert over.bank is bank and over.first_stage is hybrid and over.reflector.bank is bank
+    assert Agent.over(bank, ScriptedLLM(cite_mentions("cello")), k=5, m=3).first_stage is bank
+    with pytest.raises(RmmError, match="first_stage="):  # a hybrid is never taken for the bank written into
+        Agent(hybrid, ScriptedLLM(cite_mentions("cello")), k=5, m=3)
 
 
 def test_a_first_stage_over_another_bank_is_refused(bank: MemoryBank, tmp_path: Path) -> None:

@@ -24,7 +24,12 @@ from tqdm.auto import tqdm
 
 from rmm.eval.retrieval import GoldScorer
 from rmm.frontends.agent import Agent
-from rmm.frontends.controllers import CONTROLLERS, ControllerConfig, controller_name, open_controller
+from rmm.frontends.controllers import (
+    CONTROLLERS,
+    ControllerConfig,
+    controller_name,
+    open_controller,
+)
 from rmm.frontends.goal import GoalConfig
 from rmm.memory.sessions import SessionLog
 from rmm.types import Dataset, Question
@@ -33,6 +38,7 @@ if TYPE_CHECKING:
     from rmm.frontends.trace import FrontendTrace
     from rmm.llm.base import LLM
     from rmm.memory.bank import MemoryBank
+    from rmm.memory.hybrid import HybridRetriever
 
 __all__ = ["ControllerRecallReport", "evaluate_controller_recall"]
 
@@ -65,7 +71,7 @@ class ControllerRecallReport:
         return out
 
 
-def evaluate_controller_recall(dataset: Dataset, bank: MemoryBank, llm: LLM, *, category: int | None = 1,
+def evaluate_controller_recall(dataset: Dataset, bank: MemoryBank | HybridRetriever, llm: LLM, *, category: int | None = 1,
                                limit: int | None = None, k: int = 20, m: int = 5,
                                config: ControllerConfig | None = None, answer: bool = False, progress: bool = True,
                                on_trace: Callable[[Question, FrontendTrace], None] | None = None
@@ -81,7 +87,7 @@ def evaluate_controller_recall(dataset: Dataset, bank: MemoryBank, llm: LLM, *, 
                  if (category is None or q.category == category) and scorer.gold(q) and not q.abstention]
     questions = questions[: limit or None]
     sessions = SessionLog(":memory:")
-    agent = Agent(bank, llm, k=k, m=m, learn=False, sessions=sessions, checkpoint_every=0)
+    agent = Agent.over(bank, llm, k=k, m=m, learn=False, sessions=sessions, checkpoint_every=0)
     controller = open_controller(agent, config)
     rows: list[dict[str, Any]] = []
     try:

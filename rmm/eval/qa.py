@@ -13,7 +13,12 @@ from tqdm.auto import tqdm
 
 from rmm.eval.retrieval import SEPARATE_CATEGORIES, GoldScorer
 from rmm.frontends.agent import Agent
-from rmm.frontends.controllers import CONTROLLERS, ControllerConfig, controller_name, open_controller
+from rmm.frontends.controllers import (
+    CONTROLLERS,
+    ControllerConfig,
+    controller_name,
+    open_controller,
+)
 from rmm.llm.simulated import SimulatedLLM, gold_evidence_oracle
 from rmm.memory.sessions import SessionLog
 from rmm.types import Dataset
@@ -22,6 +27,7 @@ if TYPE_CHECKING:
     from rmm.frontends.trace import FrontendTrace
     from rmm.llm.base import LLM
     from rmm.memory.bank import MemoryBank
+    from rmm.memory.hybrid import HybridRetriever
 
 __all__ = ["QAReport", "evaluate_qa", "normalize_answer", "token_f1"]
 
@@ -69,7 +75,7 @@ class QAReport:
         return asdict(self)
 
 
-def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None, *, granularity: str = "turn",
+def evaluate_qa(dataset: Dataset, bank: MemoryBank | HybridRetriever, llm: LLM, judge: LLM | None, *, granularity: str = "turn",
                 limit: int | None = None, k: int = 20, m: int = 5, progress: bool = True,
                 judge_batch: int = 16, frontend: str = "direct", frontend_config: ControllerConfig | None = None,
                 learn: bool = True, on_trace: Callable[[FrontendTrace], None] | None = None) -> QAReport:
@@ -95,7 +101,7 @@ def evaluate_qa(dataset: Dataset, bank: MemoryBank, llm: LLM, judge: LLM | None,
     sessions = SessionLog(":memory:")
     if simulated:
         llm.citer.reset()  # it cites the shown memories that hit gold evidence; every evaluation draws alike
-    agent = Agent(bank, llm, k=k, m=m, learn=learn, sessions=sessions, checkpoint_every=0)
+    agent = Agent.over(bank, llm, k=k, m=m, learn=learn, sessions=sessions, checkpoint_every=0)
     respond = agent.respond
     if frontend != "direct":
         respond = open_controller(agent, frontend_config or CONTROLLERS[frontend].config()).respond

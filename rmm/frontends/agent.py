@@ -18,8 +18,8 @@ dense fused, `rmm.memory.hybrid`) only chooses the K candidates: the reflector s
 the dense bank, and BM25 reads the bank's store, rebuilding a user's index whenever that user's
 store generation moved, so a memory added by `end_session` is found lexically by the next query.
 Hybrid candidates carry their lexical feature; the Selection keeps it as scored, so the update
-(now or delayed) learns the lexical weight from what was sampled. A `HybridRetriever` given as `bank`
-still means the same but is deprecated (one way to ask: `first_stage=`).
+(now or delayed) learns the lexical weight from what was sampled. `Agent.over(retriever, llm)` takes
+either kind of first stage as one argument (what the evaluation drivers hold).
 
 Decisions where the paper is silent: `end_session` stores topic memories only, as the paper
 does (`store_turns=True` also stores each raw turn as a turn memory); extraction is asked about
@@ -29,10 +29,9 @@ the user only (the whole session is shown, but memories about the assistant help
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,7 +39,12 @@ from rmm.errors import RmmError
 from rmm.memory.bank import MemoryBank
 from rmm.memory.hybrid import HybridRetriever
 from rmm.memory.sessions import SessionLog
-from rmm.policy.learner import Learner, LearnerConfig, is_normalized_encoder, recipe_config
+from rmm.policy.learner import (
+    Learner,
+    LearnerConfig,
+    is_normalized_encoder,
+    recipe_config,
+)
 from rmm.policy.registry import SHARED, LearnerRegistry
 from rmm.policy.retrieve import RerankedRetriever
 from rmm.reflection import CitationFeedback, ProspectiveReflector, reflect_citations
@@ -69,7 +73,7 @@ class Response:
 
 
 class Agent:
-    def __init__(self, bank: MemoryBank | HybridRetriever, llm: LLM, *, first_stage: HybridRetriever | None = None,
+    def __init__(self, bank: MemoryBank, llm: LLM, *, first_stage: HybridRetriever | None = None,
                  learner: Learner | None = None, per_user: bool = False,
                  reflector: ProspectiveReflector | None = None, k: int = 20, m: int = 5, tau: float | None = None,
                  learn: bool = True, structured: bool = False, sessions: SessionLog | None = None,
@@ -167,6 +171,14 @@ class Agent:
         self.save()
         self.sessions.close()
 
+    @classmethod
+    def over(cls, retriever: MemoryBank | HybridRetriever, llm: LLM, **options: Any) -> Agent:
+        """An agent whose first stage is `retriever`: a dense bank, or a `HybridRetriever` (hybrid or
+        bm25:DENSE) over the dense bank the agent then writes into."""
+        if isinstance(retriever, HybridRetriever):
+            return cls(retriever.bank, llm, first_stage=retriever, **options)
+        return cls(retriever, llm, **options)
+
     def checkpoint_if_due(self, user: str) -> None:
         """Save the user's reranker once `checkpoint_every` rewarded selections have come in since the
         last save — one count per learner, whichever front end (direct, goal, MemR³) they came through."""
@@ -176,17 +188,12 @@ class Agent:
         return user if self.per_user else SHARED
 
 
-def _split_first_stage(bank: MemoryBank | HybridRetriever,
-                       first_stage: HybridRetriever | None) -> tuple[MemoryBank, HybridRetriever | None]:
+def _split_first_stage(bank: MemoryBank, first_stage: HybridRetriever | None) -> tuple[MemoryBank, HybridRetriever | None]:
     """(the dense bank written into, the first stage or None). A given first stage must search the
-    bank the agent writes into, or new memories would never be found; a hybrid `bank` (deprecated)
-    is read as `first_stage=` over its dense bank."""
+    bank the agent writes into, or new memories would never be found."""
     if isinstance(bank, HybridRetriever):
-        warnings.warn("Agent(HybridRetriever(bank), ...) is deprecated: pass Agent(bank, ..., "
-                      "first_stage=HybridRetriever(bank))", DeprecationWarning, stacklevel=3)
-        if first_stage is not None and first_stage is not bank:
-            raise RmmError("give the hybrid retriever as first_stage= only, over the dense bank given as bank")
-        bank, first_stage = bank.bank, bank
+        raise RmmError("give a hybrid or bm25:DENSE first stage as first_stage= over its dense bank "
+                       "(Agent(bank, llm, first_stage=retriever)), or use Agent.over(retriever, llm)")
     if first_stage is not None and first_stage.bank is not bank:
         raise RmmError("the first stage must search the agent's own bank (HybridRetriever(bank)): memories the "
                        "reflector writes would otherwise never be retrieved")
