@@ -27,7 +27,6 @@ import copy
 import hashlib
 import logging
 import os
-import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import torch
 from rmm.memory.pg_database import PgDatabase
 from rmm.policy.pg_versions import RerankerVersions, learner_to_bytes
 from rmm.policy.registry import LearnerRegistry
+from rmm.serve.background import Background
 from rmm.serve.feedback import rebuild
 from rmm.serve.pg_pending import mark_applied, skip_unlearnable, unapplied_feedback
 
@@ -103,21 +103,17 @@ class SharedLearning:
         self._idle: psycopg.Connection[Any] | None = None  # the connection tries run on, kept between them
         self._buffered: dict[str, list[int]] = defaultdict(list)  # key -> seqs recorded, not yet in a version
         self._touched: set[str] = set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = Background("rmm-learner-lease", self._run)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="rmm-learner-lease", daemon=True)
-            self._thread.start()
+        self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the thread and give the lock back (closing its connection releases it)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        if not self._thread.stop(timeout):
+            log.warning("the learner round was still running %.0f s after shutdown began; closing its "
+                        "connection anyway (its uncommitted work stays unapplied for the next learner)", timeout)
         self._release()
         self._close_idle()
 
@@ -128,7 +124,7 @@ class SharedLearning:
     # ---- one round at a time ---------------------------------------------------------------
     def _run(self) -> None:
         next_try = next_reload = 0.0
-        while not self._stop.is_set():
+        while not self._thread.stopping.is_set():
             now = time.monotonic()
             try:
                 if self._conn is None and now >= next_try:
@@ -144,7 +140,7 @@ class SharedLearning:
                             " ".join(str(exc).split())[:300], exc_info=log.isEnabledFor(logging.DEBUG))
                 self._lose_lease()
             wait = self.apply_every_s if self._conn is not None else min(next_try, next_reload) - time.monotonic()
-            self._stop.wait(max(0.02, wait))
+            self._thread.stopping.wait(max(0.02, wait))
 
     def try_acquire(self) -> bool:
         """Take the learner lock if nobody holds it; on success, start from the newest versions.

@@ -8,9 +8,10 @@ full disk for a minute does not stop the server from checkpointing once space is
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
+
+from rmm.serve.background import Background
 
 __all__ = ["Maintenance"]
 
@@ -27,25 +28,22 @@ class Maintenance:
         self.sweep, self.checkpoint = sweep, checkpoint
         self.checkpoint_interval_s = checkpoint_interval_s
         self.sweep_every_s = min(SWEEP_EVERY_S, selection_ttl_s)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = Background("rmm-maintenance", self._run)
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="rmm-maintenance", daemon=True)
-            self._thread.start()
+        self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the thread to stop and wait for the round in progress to finish."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout)
+        if not self._thread.stop(timeout):
+            log.warning("a maintenance round (sweep or checkpoint) was still running %.0f s after shutdown began",
+                        timeout)
 
     def _run(self) -> None:
         interval = self.checkpoint_interval_s
         next_checkpoint = time.monotonic() + interval if interval else float("inf")
         next_sweep = time.monotonic() + self.sweep_every_s
-        while not self._stop.wait(max(0.05, min(next_checkpoint, next_sweep) - time.monotonic())):
+        while not self._thread.stopping.wait(max(0.05, min(next_checkpoint, next_sweep) - time.monotonic())):
             now = time.monotonic()
             try:
                 if now >= next_sweep:

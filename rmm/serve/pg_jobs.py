@@ -21,6 +21,7 @@ import uuid
 from typing import Any
 
 from rmm.memory.pg_database import PgDatabase
+from rmm.serve.background import Background
 from rmm.serve.errors import UnknownJobError
 from rmm.serve.jobs import Handler, Job
 
@@ -61,14 +62,11 @@ class PgJobQueue:
         self.lease_s, self.poll_s, self.max_attempts = lease_s, poll_s, max_attempts
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = Background("rmm-jobs-pg", self._work)
 
     def start(self) -> None:
         """Start the worker: it takes queued jobs, and jobs whose claimer's lease ran out."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="rmm-jobs-pg", daemon=True)
-            self._thread.start()
+        self._thread.start()
 
     def submit(self, tenant: str, user_id: str, kind: str, payload: dict[str, Any]) -> Job:
         """Commit the job (an acknowledged session is never lost) and wake this replica's worker."""
@@ -154,7 +152,7 @@ class PgJobQueue:
                 log.exception("could not renew the lease of job %s", job_id)
 
     def _work(self) -> None:
-        while not self._stop.is_set():
+        while not self._thread.stopping.is_set():
             try:
                 ran = self.run_one()
             except Exception:  # the database is away: keep trying, never take the replica down
@@ -166,11 +164,8 @@ class PgJobQueue:
 
     def close(self, timeout: float = 60.0) -> None:
         """Let the running job finish; queued jobs stay queued for any replica."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("a reflection job was still running at shutdown; its lease runs out and another "
-                            "replica (or the next start) runs it again")
-            self._thread = None
+        self._thread.stopping.set()
+        self._wake.set()  # out of its poll wait now
+        if not self._thread.stop(timeout):
+            log.warning("a reflection job was still running at shutdown; its lease runs out and another "
+                        "replica (or the next start) runs it again")
