@@ -110,9 +110,15 @@ def test_seeded_gumbel_is_gumbel_distributed() -> None:
 
 # ---- reference vs rmm.policy.sampling ---------------------------------------------------------------
 def test_reference_stream_noise_equals_sampling_gumbel_noise() -> None:
-    a = stream_gumbel(4, 9, torch.Generator().manual_seed(11))
+    """Both are the generator's uniforms through the one Gumbel transform; in place or not, the same values."""
+    uniforms = torch.rand((4, 9), generator=torch.Generator().manual_seed(11))
+    expected = -torch.log(-torch.log(uniforms))
+    a = stream_gumbel((4, 9), torch.Generator().manual_seed(11))
     b = gumbel_noise((4, 9), generator=torch.Generator().manual_seed(11))
-    assert torch.equal(a, b)
+    assert torch.equal(a, expected) and torch.equal(b, expected)
+    fresh = uniforms.clone()
+    assert torch.equal(gumbel_from_uniform(fresh, inplace=True), gumbel_from_uniform(uniforms))
+    assert torch.equal(fresh, expected) and not torch.equal(uniforms, expected)  # written into its input
 
 
 @pytest.mark.parametrize("tau", [0.5, 1.3])

@@ -94,7 +94,7 @@ def test_learning_raises_the_cited_rate_and_a_flipped_sign_lowers_it(estimator: 
 
     flipped = Learner(ResidualLinearReranker(D), config)
     original_loss = flipped.loss
-    flipped.loss = lambda batch: -original_loss(batch)  # type: ignore[method-assign]
+    flipped.loss = lambda batch, taps=None: -original_loss(batch, taps)  # type: ignore[method-assign]
     run_toy(flipped, 100)
     after_flipped = useful_rate(flipped.reranker, held_out, u)
 

@@ -106,6 +106,39 @@ def test_plackett_luce_logp_gradient_matches_naive_loop() -> None:
     torch.testing.assert_close(g_fast, g_naive)
 
 
+def test_padding_picks_score_zero_and_leave_the_real_ones_as_the_naive_loop() -> None:
+    """-1 pads rows with fewer picks: 0 with zero gradient, the real picks exactly as unpadded,
+    finite gradients where a row took every valid candidate before its padding."""
+    scores = torch.randn(3, 6, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    mask = torch.tensor([[True] * 6, [True] * 5 + [False], [True] * 3 + [False] * 3])
+    chosen = torch.tensor([[5, 0, 2, 4], [1, 3, -1, -1], [2, 0, 1, -1]])
+    got = plackett_luce_logp(scores, chosen, 0.7, mask)
+    naive_rows = []
+    for b in range(3):
+        remaining = [i for i in range(6) if mask[b, i]]
+        row = []
+        for c in chosen[b].tolist():
+            if c < 0:
+                row.append(scores[b, 0] * 0.0)
+                continue
+            logits = scores[b, remaining] / 0.7
+            row.append(logits[remaining.index(c)] - torch.logsumexp(logits, 0))
+            remaining.remove(c)
+        naive_rows.append(torch.stack(row))
+    naive = torch.stack(naive_rows)
+    torch.testing.assert_close(got, naive)
+    assert got[1, 2:].tolist() == [0.0, 0.0] and got[2, 3].item() == 0.0
+    weights = torch.randn(3, 4, generator=torch.Generator().manual_seed(5))
+    (g_got,) = torch.autograd.grad((got * weights).sum(), scores)
+    (g_naive,) = torch.autograd.grad((naive * weights).sum(), scores)
+    assert torch.isfinite(g_got).all()
+    torch.testing.assert_close(g_got, g_naive)
+    # the same rows unpadded give the same real log-probabilities
+    torch.testing.assert_close(plackett_luce_logp(scores[1:2], chosen[1:2, :2], 0.7, mask[1:2])[0], got[1, :2])
+    literal = paper_literal_logp(scores, torch.zeros(3, 6), chosen, 0.7, mask)
+    assert literal[1, 2:].tolist() == [0.0, 0.0] and torch.isfinite(literal).all()
+
+
 def test_leading_batch_dims() -> None:
     scores = torch.randn(2, 3, 7)
     chosen, noise = gumbel_top_m(scores, 3, 0.5, generator=torch.Generator().manual_seed(0))

@@ -39,9 +39,9 @@ CREDITS: tuple[str, ...] = ("per-pick", "reward-to-go", "sequence")
 def pick_weights(advantage: Tensor, credit: str) -> Tensor:
     """The weight of each pick's `log π_j`, `[..., M]`, from its advantage `A_j = r_j − b`.
 
-    Padding picks (rows with fewer than M) must carry advantage 0 and sit after the real ones;
-    their weight is then 0 for `per-pick` and `reward-to-go`, and their log π must be zeroed by
-    the caller for `sequence`.
+    Padding picks (rows with fewer than M: pick -1) must carry advantage 0 and sit after the real
+    ones; their weight is then 0 for `per-pick` and `reward-to-go`, and for `sequence` it is their
+    log π that is 0 (what `plackett_luce_logp` gives a -1 pick).
     """
     if credit == "per-pick":
         return advantage

@@ -10,8 +10,8 @@ Selection recorded at sampling time — the query and candidate embeddings as sc
 recomputes log π *with gradients under the current weights* from it; it never re-reads the store.
 Greedy (non-sampled) selections have no μ and are refused.
 
-Hyper-parameters and their recipes live in `rmm.policy.recipes`, the checkpoint folder format in
-`rmm.policy.checkpoint`; both are re-exported here for callers.
+Hyper-parameters and their recipes live in `rmm.policy.recipes` (re-exported here for callers),
+the checkpoint folder format in `rmm.policy.checkpoint`, the optimizer in `rmm.policy.optimizer`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from rmm.device import resolve_device
 from rmm.errors import CheckpointError
 from rmm.policy.checkpoint import FORMAT_VERSION, read_checkpoint, write_checkpoint
 from rmm.policy.credit import log_importance, pick_weights, truncated_importance
+from rmm.policy.optimizer import make_optimizer
 from rmm.policy.recipes import (
     RECIPES,
     LearnerConfig,
@@ -55,12 +56,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# The lexical weight's step relative to lr (`_param_groups`). On LoCoMo's training conversations
-# (prequential recall@5 of rmm train --retriever hybrid) ×10 and ×30 learned w to 0.42–0.57 from a start
-# of 0 or 0.3 but scored 51.5–52.2 against 52.9 for ×1 from 0.3, so the step stays the matrices'.
-LEXICAL_LR_SCALE = 1.0
-
 
 @dataclass
 class LearnerStats:
@@ -127,9 +122,8 @@ class Learner:
         self._buffer: list[RewardedSelection] = []
         self._warned_tau: set[float] = set()
         self.last_log_ratio: Tensor | None = None  # log π_θ/μ of each selection in the last `loss`
-        self.optimizer = _make_optimizer(self.config, _param_groups(self.reranker, self.config.lr))
+        self.optimizer = make_optimizer(self.reranker, self.config)
         self._grad_buffers: tuple[Tensor, Tensor] | None = None  # W_q's and W_m's gradients (`_backward`)
-        self._taps: list[PolicyTaps] | None = None
 
     @property
     def dim(self) -> int:
@@ -219,17 +213,15 @@ class Learner:
             return float(self.config.baseline)
         return self.stats.reward_sum / self.stats.reward_count if self.stats.reward_count else 0.0
 
-    def loss(self, batch: list[RewardedSelection]) -> Tensor:
+    def loss(self, batch: list[RewardedSelection], taps: list[PolicyTaps] | None = None) -> Tensor:
         """`−mean_b ρ_b Σ_j w_bj·log π_bj`, log π recomputed with gradients under current weights.
 
         `w` is the configured credit (`rmm.policy.credit`), ρ = min(is_clip, π_θ/μ) the detached
         truncated importance ratio (1 with `importance=False`; divided by the batch's mean with
-        `is_normalize`); `last_log_ratio` keeps log π_θ/μ.
+        `is_normalize`); `last_log_ratio` keeps log π_θ/μ. With a `taps` list (the update passes
+        one) the scores go through `tapped_policy_scores` and its taps are appended, for
+        `_backward` to build the weights' gradients from; without, plain autograd to the parameters.
         """
-        return self._loss(batch, self._taps)
-
-    def _loss(self, batch: list[RewardedSelection], taps: list[PolicyTaps] | None) -> Tensor:
-        """`loss`; with a `taps` list, scored through `tapped_policy_scores` (its taps appended)."""
         self.last_log_ratio = None
         if not batch or max(p.memories.shape[0] for p in batch) == 0 or max(p.chosen.numel() for p in batch) == 0:
             return (self.reranker.W_q.weight.sum() + self.reranker.W_m.weight.sum()) * 0.0
@@ -241,17 +233,14 @@ class Learner:
             scores, tap = self.reranker.tapped_policy_scores(t.queries, t.memories, t.lexical)
             taps.append(tap)
         logits = scores / t.taus.unsqueeze(-1)  # each selection at the τ it was sampled at
-        pl_logp = plackett_luce_logp(logits, t.chosen, 1.0, t.mask)
+        pl_logp = plackett_luce_logp(logits, t.chosen, 1.0, t.mask)  # padding picks (-1) score 0
         if paper:
             logp = paper_literal_logp(logits, t.noise / t.taus.unsqueeze(-1), t.chosen, 1.0, t.mask)
         else:
             logp = pl_logp
         advantage = t.rewards - self.baseline()
-        if t.pick_valid is not None:
-            # Padding picks may be -inf; select them away before multiplying (0·inf = NaN).
-            logp = torch.where(t.pick_valid, logp, torch.zeros_like(logp))
-            pl_logp = torch.where(t.pick_valid, pl_logp, torch.zeros_like(pl_logp))
-            advantage = torch.where(t.pick_valid, advantage, torch.zeros_like(advantage))
+        if t.pick_valid is not None:  # a padding pick carries no credit (`pick_weights` needs A = 0 there)
+            advantage = advantage.masked_fill(~t.pick_valid, 0.0)
         log_ratio = self.last_log_ratio = log_importance(pl_logp, t.behaviour_logp)
         rho = self._importance(log_ratio)
         if self.config.importance and self.config.is_normalize:
@@ -269,11 +258,8 @@ class Learner:
         batch, self._buffer = self._buffer, []
         self.stats.updates += 1
         self._clear_grads()
-        self._taps = taps = []  # `loss` scores through the taps while an update runs (`_backward`)
-        try:
-            loss = self.loss(batch)
-        finally:
-            self._taps = None
+        taps: list[PolicyTaps] = []
+        loss = self.loss(batch, taps)
         self._count(batch)
         value = float(loss.detach())
         if not math.isfinite(value):
@@ -414,24 +400,3 @@ def _saved_lexical_feature(folder: Path, meta: dict[str, Any], expected: bool | 
                               f"run asks for a reranker {asked} it; match the setting (--no-lexical-feature / "
                               "lexical_feature) or use another checkpoint folder")
     return bool(stated)
-
-
-def _param_groups(reranker: ResidualLinearReranker, lr: float) -> list[dict[str, Any]]:
-    """Eq. 1's matrices at `lr`; the lexical weight, one scalar, at `LEXICAL_LR_SCALE × lr` (Adam moves
-    a parameter about lr per step whatever its gradient: at lr 3e-4 w travels at most ~0.1 in a
-    LoCoMo training stream, so its start matters more than its step there)."""
-    groups: list[dict[str, Any]] = [{"params": [reranker.W_q.weight, reranker.W_m.weight]}]
-    if reranker.lexical_weight is not None:
-        groups.append({"params": [reranker.lexical_weight], "lr": lr * LEXICAL_LR_SCALE})
-    return groups
-
-
-def _make_optimizer(config: LearnerConfig, params: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """Adam (fused where torch supports it: one pass over the d×d states, ~10× faster on CPU
-    at d=768 than the per-tensor loop) or plain SGD."""
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr)
-    try:
-        return torch.optim.Adam(params, lr=config.lr, fused=True)
-    except (RuntimeError, ValueError, TypeError):  # a device without a fused kernel
-        return torch.optim.Adam(params, lr=config.lr)

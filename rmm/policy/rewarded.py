@@ -62,7 +62,7 @@ class RewardedBatch:
 
     queries: Tensor  # [B, d]
     memories: Tensor  # [B, K, d]
-    chosen: Tensor  # [B, M]
+    chosen: Tensor  # [B, M], -1 at padding picks
     rewards: Tensor  # [B, M]
     taus: Tensor  # [B]
     behaviour_logp: Tensor  # [B, M], 0 at padding picks
@@ -157,7 +157,8 @@ def behaviour_logp(selection: Selection, chosen: Tensor, tau: float, mask: Tenso
 
 
 def stack_rewarded(batch: list[RewardedSelection], with_noise: bool) -> RewardedBatch:
-    """Stack a batch; pad rows of different K (users with few memories) and M (fewer picks)."""
+    """Stack a batch; pad rows of different K (users with few memories: masked out) and M (fewer
+    picks: -1, after the real ones, with reward and μ 0)."""
     ks = [p.memories.shape[0] for p in batch]
     ms = [p.chosen.numel() for p in batch]
     taus = torch.tensor([p.tau for p in batch], dtype=torch.float32)
@@ -173,7 +174,7 @@ def stack_rewarded(batch: list[RewardedSelection], with_noise: bool) -> Rewarded
     size, dim, k_max, m_max = len(batch), batch[0].query.shape[0], max(ks), max(ms)
     memories = torch.zeros(size, k_max, dim)
     mask = torch.zeros(size, k_max, dtype=torch.bool)
-    chosen = torch.zeros(size, m_max, dtype=torch.long)
+    chosen = torch.full((size, m_max), -1, dtype=torch.long)  # -1: no pick (Plackett–Luce scores it 0)
     rewards = torch.zeros(size, m_max)
     mu = torch.zeros(size, m_max)
     pick_valid = torch.zeros(size, m_max, dtype=torch.bool)

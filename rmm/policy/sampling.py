@@ -6,14 +6,16 @@ trick), so τ really sets how deterministic selection is. Adding `g` to `s` befo
 (the paper's literal wording) would make τ irrelevant to *which* items are picked.
 
 All functions are pure tensor code: any leading batch dims, candidates (K) on the last dim,
-picks (M) on the last dim of `chosen`. `mask` (bool, True = valid) marks real candidates when
-rows were padded to a common K.
+picks (M) on the last dim of `chosen`, -1 where a row has fewer picks than M. `mask` (bool,
+True = valid) marks real candidates when rows were padded to a common K.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from rmm.kernels.reference import plackett_luce_picks_logp, stream_gumbel
 
 __all__ = ["gumbel_noise", "gumbel_top_m", "paper_literal_logp", "plackett_luce_logp", "top_m"]
 
@@ -26,18 +28,11 @@ def gumbel_noise(
 ) -> Tensor:
     """Standard Gumbel noise `-log(-log u)`, with `u` kept away from 0 and 1 so it stays finite.
 
-    The generator may live on another device than the output (a CPU generator seeding CUDA work):
-    the uniforms are drawn where the generator is and moved.
+    The kernels' torch stream (`rmm.kernels.reference.stream_gumbel`), so the reranker draws the
+    same noise through either path. The generator may live on another device than the output (a
+    CPU generator seeding CUDA work): the uniforms are drawn where the generator is and moved.
     """
-    draw_device = generator.device if generator is not None else device
-    u = torch.rand(tuple(shape), generator=generator, device=draw_device, dtype=dtype)
-    tiny = torch.finfo(dtype).tiny
-    eps = torch.finfo(dtype).eps
-    u = u.clamp_(min=tiny, max=1.0 - eps)
-    g = -torch.log(-torch.log(u))
-    if device is not None and g.device != torch.device(device):
-        g = g.to(device)
-    return g
+    return stream_gumbel(shape, generator, device, dtype)
 
 
 def _check_tau(tau: float) -> None:
@@ -98,31 +93,17 @@ def plackett_luce_logp(
 ) -> Tensor:
     """Log-probability of each pick in order: `logit[c_j] − logsumexp(logits not yet picked)`.
 
-    Differentiable w.r.t. `scores`. Pick j depends only on picks before it, so trailing picks used
-    as padding (when rows have different M) never change the real ones; a pick from an empty
-    remaining set gets a finite placeholder instead of NaN, so masking it out afterwards keeps
-    gradients finite. The caller guarantees real picks are valid and distinct.
+    Differentiable w.r.t. `scores`, in float32; `rmm.kernels.reference.plackett_luce_picks_logp`
+    with the mask applied as `-inf` scores. Picks are distinct; -1 marks padding (rows with fewer picks,
+    after their real ones) and scores 0 with zero gradient, so it never changes the real picks.
+    The caller guarantees real picks are valid.
     """
     _check_tau(tau)
     if chosen.shape[:-1] != scores.shape[:-1]:
         raise ValueError(
             f"chosen batch shape {tuple(chosen.shape[:-1])} != scores batch shape {tuple(scores.shape[:-1])}"
         )
-    k = scores.shape[-1]
-    chosen = chosen.long()
-    logits = scores / tau
-    # removed[..., j, :] marks items picked strictly before pick j (scalar fills broadcast: fewer ops,
-    # the same values and gradients as full-size fill tensors).
-    picked = torch.nn.functional.one_hot(chosen, num_classes=k)  # [..., M, K] long
-    available = (picked.cumsum(-2) - picked) == 0
-    if mask is not None:
-        available = available & mask.unsqueeze(-2)
-    empty = ~available.any(-1, keepdim=True)
-    rows = torch.where(available, logits.unsqueeze(-2), float("-inf"))
-    rows = torch.where(empty, 0.0, rows)
-    normaliser = torch.logsumexp(rows, dim=-1)  # [..., M]
-    picked_logits = _masked(logits, mask).gather(-1, chosen)
-    return picked_logits - normaliser
+    return plackett_luce_picks_logp(_masked(scores, mask), chosen.long(), tau)
 
 
 def paper_literal_logp(
@@ -131,10 +112,12 @@ def paper_literal_logp(
     """The paper's estimator: `log softmax((s + g)/τ)` read at each chosen item.
 
     Kept as an option for replication; it is not the log-probability of the selection (the noise
-    enters as a constant), so prefer `plackett_luce_logp`.
+    enters as a constant), so prefer `plackett_luce_logp`. A -1 pick (padding) scores 0.
     """
     _check_tau(tau)
     if noise.shape != scores.shape:
         raise ValueError(f"noise shape {tuple(noise.shape)} != scores shape {tuple(scores.shape)}")
+    chosen = chosen.long()
     logits = _masked((scores + noise.to(scores)) / tau, mask)
-    return torch.log_softmax(logits, dim=-1).gather(-1, chosen.long())
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, chosen.clamp(min=0))
+    return logp.masked_fill(chosen < 0, 0.0)
