@@ -42,7 +42,7 @@ __all__ = ["AppliedFeedback", "PgSelectionStore", "mark_applied", "skip_unlearna
 
 log = logging.getLogger(__name__)
 
-_COLUMNS = ", ".join(SELECTION_COLUMNS)  # the SQLite store's columns and codec, spelled for PostgreSQL
+_COLUMNS = ", ".join(SELECTION_COLUMNS)  # the SQLite store's columns, in its codec's order
 _PREFIXED = ", ".join(f"s.{c}" for c in SELECTION_COLUMNS)
 
 
