@@ -47,14 +47,50 @@ def prequential_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _where(row: dict[str, Any], retriever: str | None = None) -> tuple[str, str, str]:
+    return row["dataset"], row.get("granularity", "turn"), retriever or row["retriever"]
+
+
+_ALONE = ("base recall@5", "base recall@20", "base ndcg@5")
+
+
+def superseded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows a table shows: an "alone" row is left out where a trained run's "alone" columns are
+    the same retriever on the same questions — its own name, or for plain `bm25` a trained
+    `bm25:DENSE` run (BM25 over a dense bank's store) whose alone figures are equal, figure for figure."""
+    trained = {_where(r): r for r in rows if r["name"] != "alone"}
+
+    def covered(r: dict[str, Any]) -> bool:
+        if _where(r) in trained:
+            return True
+        if r["retriever"] != "bm25":
+            return False
+        alone = r.get("heldout", {})
+        return any(where[:2] == _where(r)[:2] and where[2].startswith("bm25:") and all(
+            t.get("heldout", {}).get(group, {}).get(key) == figures.get(key)
+            for group, figures in alone.items() for key in _ALONE) for where, t in trained.items())
+
+    return [r for r in rows if not (r["name"] == "alone" and covered(r))]
+
+
+def _rank(retriever: str) -> int:
+    """Table order of first stages: BM25 (plain or over a dense bank), the dense encoder, the hybrid."""
+    family = retriever.split(":", 1)[0]
+    return {"bm25": 0, "minilm": 1, "hybrid": 2}.get(family, 9)
+
+
+def ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """By dataset, then memories (turn, session, topic), then first stage (`_rank`); stable otherwise."""
+    memories = {"turn": 0, "session": 1, "topic": 2}
+    return sorted(rows, key=lambda r: (r["dataset"], memories.get(r.get("granularity", "turn"), 9),
+                                       _rank(r["retriever"])))
+
+
 def heldout_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [("| dataset · memories · retriever | run | questions | group | R@5 alone | R@5 reranked | R@20 | "
            "nDCG@5 alone | nDCG@5 reranked | headroom captured |"),
            "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    trained = {(r["dataset"], r.get("granularity", "turn"), r["retriever"]) for r in rows if r["name"] != "alone"}
-    for r in rows:
-        if r["name"] == "alone" and (r["dataset"], r.get("granularity", "turn"), r["retriever"]) in trained:
-            continue  # the trained run's "alone" columns are the same retriever on the same questions
+    for r in ordered(superseded(rows)):
         for group, f in r.get("heldout", {}).items():
             hc = f["headroom_captured"]
             out.append(f"| {r['dataset']} · {r.get('granularity', 'turn')} · {r['retriever']} | {r['name']} | "
@@ -66,11 +102,7 @@ def heldout_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def headline_table(rows: list[dict[str, Any]]) -> list[str]:
     """One row per dataset · memories · first stage: the held-out headline questions only."""
-    trained = {(r["dataset"], r.get("granularity", "turn"), r["retriever"]) for r in rows if r["name"] != "alone"}
-    kept = [r for r in rows if "heldout" in r and not (
-        r["name"] == "alone" and (r["dataset"], r.get("granularity", "turn"), r["retriever"]) in trained)]
-    rank = {"turn": 0, "session": 1, "topic": 2, "bm25": 0, "minilm": 1, "hybrid": 2}
-    kept.sort(key=lambda r: (r["dataset"], rank.get(r.get("granularity", "turn"), 9), rank.get(r["retriever"], 9)))
+    kept = ordered([r for r in superseded(rows) if "heldout" in r])
     out = [("| dataset · memories · first stage | R@5 alone | R@5 + reranker | lift | R@20 | "
            "nDCG@5 alone → + reranker | headroom captured |"),
            "|---|---:|---:|---:|---:|---:|---:|"]

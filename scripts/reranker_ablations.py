@@ -186,7 +186,13 @@ def main() -> None:
     parser.add_argument("--alone", action="store_true",
                         help="no training: the retriever alone on the held-out questions (final table only)")
     parser.add_argument("--out", type=Path, help="append one JSON line per run")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (1 on a shared machine; default: torch's own)")
     args = parser.parse_args()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
 
