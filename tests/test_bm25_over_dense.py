@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fakes import BagOfWordsEncoder
+from fakes import BagOfWordsEncoder, drive
 from rmm.training.online import OnlineConfig, OnlineTrainer
+from test_chat import fakes  # noqa: F401  (fixture)
 from test_hybrid import (
     ConceptEncoder,
     bank,  # noqa: F401  (fixture: the concept bank of test_hybrid)
@@ -219,3 +220,21 @@ def test_serve_retriever_bm25_reranks_bm25_over_the_bank(tmp_path: Path) -> None
     finally:
         service.close()
 
+
+
+def test_chat_over_bm25_of_its_own_bank(tmp_path: Path, monkeypatch, capsys, fakes) -> None:  # noqa: F811
+    folder = tmp_path / "bank"
+    asked: list[tuple[str, list[str]]] = []
+    search = HybridRetriever.search
+
+    def spy(self, queries, user, k):
+        asked.append((self.fusion, list(queries)))
+        return search(self, queries, user, k)
+
+    monkeypatch.setattr(HybridRetriever, "search", spy)
+    drive(monkeypatch, ["I play the cello in an orchestra", "/end", "What instrument do I play cello?", "/quit"])
+    assert main(["chat", "--bank", str(folder), "--user", "ana", "--llm", "scripted", "--device", "cpu",
+                 "--retriever", "bm25"]) == 0
+    assert "cited: The user plays the cello" in capsys.readouterr().out  # reflected mid-chat, found by BM25
+    assert asked == [("lexical", ["What instrument do I play cello?"])]
+    assert json.loads((folder / "reranker" / "meta.json").read_text())["stats"]["records"] == 1  # and learned from
