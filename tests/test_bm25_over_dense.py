@@ -238,3 +238,19 @@ def test_chat_over_bm25_of_its_own_bank(tmp_path: Path, monkeypatch, capsys, fak
     assert "cited: The user plays the cello" in capsys.readouterr().out  # reflected mid-chat, found by BM25
     assert asked == [("lexical", ["What instrument do I play cello?"])]
     assert json.loads((folder / "reranker" / "meta.json").read_text())["stats"]["records"] == 1  # and learned from
+
+
+def test_eval_qa_takes_bm25_dense(tiny_data_dir: Path, tmp_path: Path, monkeypatch, fake_minilm) -> None:
+    fusions: list[str] = []
+    search = HybridRetriever.search
+
+    def spy(self, queries, user, k):
+        fusions.append(self.fusion)
+        return search(self, queries, user, k)
+
+    monkeypatch.setattr(HybridRetriever, "search", spy)
+    out = tmp_path / "qa.json"
+    assert main(["eval-qa", "--data-dir", str(tiny_data_dir), "--llm", "simulated", "--retriever", "bm25:minilm",
+                 "--limit", "4", "--k", "4", "--m", "2", "--device", "cpu", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["overall"]["n"] == 4 and fusions == ["lexical"] * 4
