@@ -197,13 +197,19 @@ def test_bad_names_are_one_line_and_exit_2(tiny_data_dir: Path, tmp_path: Path, 
     assert exit_chat.value.code == 2
     err = capsys.readouterr().err
     assert "error: argument --retriever: bm25:DENSE needs a dense encoder preset" in err and "Traceback" not in err
-    for command in (["eval", "--retriever", "bm25:hybrid"], ["train", "--retriever", "bm25:bm25"],
-                    ["eval", "--retriever", "bm25", "--granularity", "topic"]):
-        assert main([*command, "--data-dir", str(tiny_data_dir), "--device", "cpu"]) == 2
-        printed = capsys.readouterr().out
-        flat = " ".join(printed.split())  # the console wraps one long line at its width
-        assert flat.startswith("error:") and flat.count("error:") == 1 and "Traceback" not in printed, printed
-        assert "bm25:DENSE" in flat
+    for command in (["eval", "--retriever", "minilm", "bm25:hybrid"], ["train", "--retriever", "bm25:bm25"],
+                    ["eval-qa", "--retriever", "hybrid:"], ["eval-controller", "--retriever", "bm25:"]):
+        with pytest.raises(SystemExit) as parsed:  # refused while parsing, before any retriever is opened
+            main([*command, "--data-dir", str(tiny_data_dir), "--device", "cpu"])
+        assert parsed.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and "error: argument --retriever:" in err and "Traceback" not in err, err
+    assert main(["eval", "--retriever", "bm25", "--granularity", "topic", "--data-dir", str(tiny_data_dir),
+                 "--device", "cpu"]) == 2  # a valid name at a granularity it cannot serve: refused at run time
+    printed = capsys.readouterr().out
+    flat = " ".join(printed.split())  # the console wraps one long line at its width
+    assert flat.startswith("error:") and flat.count("error:") == 1 and "Traceback" not in printed, printed
+    assert "bm25:DENSE" in flat
     assert not (tmp_path / "b").exists()  # refused before a bank was made
 
 

@@ -110,7 +110,7 @@ def test_rmm_serve_retriever_flag_reaches_the_config_and_refuses_unknown_kinds(t
         serve_cli.run(args)
     assert seen["retriever"] == "hybrid"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--retriever", "bm25"])
+        build_parser().parse_args(["serve", "--retriever", "sparse"])
 
 
 def test_database_settings_reach_a_postgresql_bank_and_only_it() -> None:

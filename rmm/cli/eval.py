@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
-from rmm.cli.arguments import cosine, index_backend, positive_int, store_url
+from rmm.cli.arguments import (
+    cosine,
+    index_backend,
+    positive_int,
+    retriever_name,
+    store_url,
+)
 from rmm.cli.common import (
     DEFAULT_RETRIEVER,
     add_common_options,
@@ -41,8 +47,8 @@ def register(subparsers: Any) -> None:
                                           "category, at one or several memory granularities. " + PRECEDENCE,
                               epilog="e.g. rmm eval --config configs/eval/locomo-cpu.yaml k=[1,5,10]")
     p.add_argument("--dataset", default="locomo", help="locomo | longmemeval[:s|m|oracle] | msc | a file")
-    p.add_argument("--retriever", nargs="+", default=[DEFAULT_RETRIEVER],
-                   help="minilm | bm25 | contriever | stella | gte | an encoder folder | hybrid[:DENSE] (BM25 + DENSE, default minilm, reciprocal-rank fused) (several allowed)")
+    p.add_argument("--retriever", nargs="+", type=retriever_name, default=[DEFAULT_RETRIEVER],
+                   help="minilm | bm25 | contriever | stella | gte | an encoder folder | hybrid[:DENSE] (BM25 + DENSE, default minilm, reciprocal-rank fused) | bm25:DENSE (BM25's ranking over DENSE's bank, rerankable) (several allowed)")
     p.add_argument("--granularity", nargs="+", choices=("turn", "session", "topic"), default=["turn"],
                    help="memory units; topic = built by prospective reflection (several: one comparison table)")
     p.add_argument("--k", type=positive_int, nargs="+", default=[5, 10], help="cut-offs K of Recall@K")
@@ -55,7 +61,7 @@ def register(subparsers: Any) -> None:
                    help="fallback topics: cosine above which a topic merges into an existing one")
     p.add_argument("--reranker", metavar="DIR",
                    help="a reranker checkpoint folder (rmm train --output RUN: RUN/rerankers; the agent's "
-                        "BANK/reranker): also report each dense or hybrid retriever's top --depth reranked by it, "
+                        "BANK/reranker): also report each dense, hybrid or bm25:DENSE retriever's top --depth reranked by it, "
                         "and the share of the headroom up to the ceiling it captured")
     p.add_argument("--json", help="write the numbers as JSON")
     p.add_argument("--store", type=store_url,
@@ -121,7 +127,7 @@ def _reranker_order(args: argparse.Namespace, opened: Any) -> Rank:
     from rmm.policy.reranker import candidate_subset
 
     if opened.encoder is None:
-        raise RmmError(f"--reranker needs a dense or hybrid retriever (embeddings); {opened.name!r} has none")
+        raise RmmError(f"--reranker needs a retriever whose candidates carry embeddings (dense, hybrid[:DENSE] or bm25:DENSE); {opened.name!r} has none")
     reranker = Learner.load(args.reranker, encoder_name=opened.encoder.fingerprint, dim=opened.encoder.dim).reranker
 
     def rank(found: list[Candidates]) -> list[list[str]]:

@@ -11,9 +11,14 @@ from typing import Any
 from rich.markup import escape
 
 from rmm.cli import common
-from rmm.cli.arguments import positive_int
+from rmm.cli.arguments import positive_int, retriever_name
 from rmm.cli.eval_qa import add_dedup_option, load_questions
-from rmm.cli.frontend_options import add_frontend_options, append_trace, frontend_config, refuse_simulated
+from rmm.cli.frontend_options import (
+    add_frontend_options,
+    append_trace,
+    frontend_config,
+    refuse_simulated,
+)
 from rmm.cli.tables import Figures, print_figures
 from rmm.errors import RmmError
 
@@ -39,7 +44,7 @@ def _register(subparsers: Any, name: str, text: str) -> None:
     p.add_argument("--category", type=positive_int, default=1, help="question category (LoCoMo 1 = multi-hop)")
     p.add_argument("--llm", required=True, help="hf:PATH | openai:URL@MODEL | vllm:PATH (the simulated LLM "
                                                 "cannot drive a controller)")
-    p.add_argument("--retriever", default=common.DEFAULT_RETRIEVER,
+    p.add_argument("--retriever", type=retriever_name, default=common.DEFAULT_RETRIEVER,
                    help="first stage of both the controller and the direct query (turn memories): a dense "
                         "encoder preset or folder, or hybrid[:DENSE] (BM25 + that dense retriever, fused)")
     p.add_argument("--limit", type=positive_int, help="at most N questions (in dataset order)")

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rmm.cli.arguments import positive_int
+from rmm.cli.arguments import positive_int, retriever_name
 from rmm.cli.common import (
     DEFAULT_RETRIEVER,
     add_common_options,
@@ -22,7 +22,12 @@ from rmm.cli.common import (
     load_llm,
     write_json,
 )
-from rmm.cli.frontend_options import add_frontend_options, append_trace, frontend_config, refuse_simulated
+from rmm.cli.frontend_options import (
+    add_frontend_options,
+    append_trace,
+    frontend_config,
+    refuse_simulated,
+)
 from rmm.cli.tables import Figures, print_figures
 from rmm.errors import RmmError
 
@@ -36,7 +41,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dataset", default="locomo")
     p.add_argument("--llm", required=True, help="generator spec (simulated: citations and recall only)")
     p.add_argument("--judge-llm", help="judge spec (default: the generator)")
-    p.add_argument("--retriever", default=DEFAULT_RETRIEVER,
+    p.add_argument("--retriever", type=retriever_name, default=DEFAULT_RETRIEVER,
                    help="the agent's first stage: a dense encoder preset or folder, or hybrid[:DENSE] (BM25 + "
                         "that dense retriever, reciprocal-rank fused; candidates carry the lexical feature)")
     p.add_argument("--granularity", default="turn", choices=("turn", "session", "topic"))

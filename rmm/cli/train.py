@@ -19,6 +19,7 @@ from rmm.cli.arguments import (
     positive_int,
     positive_probability,
     probability,
+    retriever_name,
     store_url,
     trainable_citer,
 )
@@ -51,8 +52,8 @@ def _baseline(value: str) -> float | str:
 
 def add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="locomo")
-    p.add_argument("--retriever", default=DEFAULT_RETRIEVER,
-                   help="encoder preset or folder, or hybrid[:DENSE] (BM25 + dense; bm25 alone has no embeddings)")
+    p.add_argument("--retriever", type=retriever_name, default=DEFAULT_RETRIEVER,
+                   help="encoder preset or folder, hybrid[:DENSE] (BM25 + dense, fused) or bm25:DENSE (BM25's ranking over the dense bank; plain bm25 has no embeddings to rerank)")
     p.add_argument("--granularity", choices=("turn", "session", "topic"), default="turn",
                    help="memories the reranker learns over: turns (default), whole sessions, or topic memories "
                         "built by prospective reflection's non-LLM fallback; recall counts gold turns they hold")
@@ -83,7 +84,7 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--is-clip", type=positive_float, help="truncation of the importance ratio π/μ (default 1)")
     p.add_argument("--no-lexical-feature", dest="lexical_feature", action="store_false",
                    help="plain Eq. 1: no learned weight for a hybrid retriever's fused score (our extension; "
-                        "it acts only on --retriever hybrid[:DENSE] candidates)")
+                        "it acts only on --retriever hybrid[:DENSE] and bm25:DENSE candidates)")
     p.add_argument("--delay", type=non_negative_int, default=0,
                    help="deliver each reward only after this many further learner updates (staleness study)")
     p.add_argument("--heldout", type=open_fraction, default=0.3,

@@ -67,7 +67,7 @@ def stack_candidates(
         if c.embeddings is None or c.query_embedding is None:
             raise ValueError(
                 f"candidates[{i}] (query {c.query!r}) carry no embeddings; the reranker needs a "
-                "dense retriever's vectors (BM25 candidates cannot be reranked)"
+                "dense retriever's vectors (plain BM25 candidates cannot be reranked; use bm25:DENSE)"
             )
         if c.query_embedding.shape[-1] != dim or (c.embeddings.numel() and c.embeddings.shape[-1] != dim):
             raise DimensionMismatchError(
