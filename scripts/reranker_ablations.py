@@ -15,7 +15,9 @@ memory the retriever ranked below M (what the learner can be rewarded for).
     python scripts/reranker_ablations.py --dataset msc --limit 3000 \\
         --run base --run tau0.5:tau=0.5 --run seq:credit='"sequence"'
 
-`--run NAME[:KEY=JSON,KEY=JSON...]` takes `OnlineConfig` fields; one JSON line per run goes to `--out`.
+`--run NAME[:KEY=JSON,KEY=JSON...]` takes `OnlineConfig` fields, `lexical_init` (w's starting
+value) and `feature` (a hybrid first stage's lexical-feature definition, `FeatureVariant` of
+`scripts/lexical_feature_spread.py`); one JSON line per run goes to `--out`.
 With `--read-heldout` the whole `rmm train` program runs (held-out scored too): use it once per
 final candidate only.
 """
@@ -32,6 +34,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+# scripts/ is on sys.path when this script runs
+from lexical_feature_spread import FeatureVariant
 from rmm.training.online import Asked, OnlineConfig, OnlineTrainer
 from rmm.training.splits import split_questions
 
@@ -223,9 +227,12 @@ def main() -> None:
         settings = dict(overrides)
         # w's starting value is a module constant of the reranker, not an OnlineConfig field
         reranker_module.LEXICAL_INIT = float(settings.pop("lexical_init", default_lexical_init))
+        retriever = opened.retriever
+        if "feature" in settings:  # another lexical-feature definition (scripts/lexical_feature_spread.py)
+            retriever = FeatureVariant(retriever, settings.pop("feature"))
         cfg = OnlineConfig(**{**recipe, "limit": args.limit, **settings})
         started, cpu = time.perf_counter(), time.process_time()
-        trainer = CountingTrainer(dataset, opened.retriever, cfg, progress=False)
+        trainer = CountingTrainer(dataset, retriever, cfg, progress=False)
         report = trainer.run() if args.read_heldout else None
         if report is None:
             train_only(trainer)

@@ -103,6 +103,33 @@ def test_convex_hybrid_orders_by_mixed_scores(bank: MemoryBank) -> None:
     assert lexical_only.memory_ids == ["pixel"] and dense_only.memory_ids == [dense.memory_ids[0]] == ["kitty"]
 
 
+def test_the_lexical_feature_is_bm25s_score_min_max_scaled_over_its_depth_list(bank: MemoryBank) -> None:
+    """Not the fused score (the reranker adds the dense evidence itself, as q·m): the same number for
+    every fusion and every K, 1 for BM25's best, 0 for its last at the depth and for a memory only
+    the dense half found."""
+    query = "Pixel the feline plays piano music on the boat"
+    (bm25,) = HybridRetriever(bank).lexical.search([query], "u", 3)
+    assert bm25.memory_ids[:1] == ["pixel"] and len(bm25) == 3
+    lo, hi = float(bm25.retriever_scores.min()), float(bm25.retriever_scores.max())
+    expected = {m: (float(s) - lo) / (hi - lo) for m, s in zip(bm25.memory_ids, bm25.retriever_scores)}
+    assert expected["pixel"] == 1.0 and expected[bm25.memory_ids[-1]] == 0.0
+    seen: dict[str, float] = {}
+    for fusion in ("rrf", "convex", "lexical"):
+        for k in (2, 5, 7):
+            (c,) = HybridRetriever(bank, fusion=fusion, depth=3).search([query], "u", k)
+            assert c.lexical is not None and c.lexical.dtype == torch.float32 and len(c.lexical) == len(c)
+            for m, f in zip(c.memory_ids, c.lexical.tolist()):
+                assert f == pytest.approx(expected.get(m, 0.0))
+                assert seen.setdefault(m, f) == pytest.approx(f)  # whatever the fusion and K
+    assert seen["kitty"] == 0.0  # dense-only ("feline" is no word of its text): no lexical evidence
+    # The fused score does count the dense half's find; the feature leaves that to q·m.
+    (c,) = HybridRetriever(bank, depth=3).search([query], "u", 7)
+    assert float(c.retriever_scores[c.memory_ids.index("kitty")]) > 0.0
+    # A one-memory BM25 list is that memory's best: 1, not a division by zero.
+    (one,) = HybridRetriever(bank, depth=1).search(["Pixel"], "u", 2)
+    assert dict(zip(one.memory_ids, one.lexical.tolist()))["pixel"] == 1.0
+
+
 def test_bad_settings_and_names(bank: MemoryBank) -> None:
     with pytest.raises(ValueError):
         HybridRetriever(bank, fusion="max")  # type: ignore[arg-type]

@@ -14,7 +14,8 @@ from rmm.training.online import OnlineConfig, OnlineTrainer
 from rmm.errors import CheckpointError
 from rmm.eval.benchmark_bank import fill
 from rmm.memory.bank import MemoryBank
-from rmm.memory.hybrid import HybridRetriever
+from rmm.memory.hybrid import LEXICAL_DEFINITION, HybridRetriever
+from rmm.policy.checkpoint import LEGACY_LEXICAL_DEFINITION
 from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.registry import LearnerRegistry
 from rmm.policy.reranker import LEXICAL_INIT, ResidualLinearReranker, candidate_subset
@@ -112,7 +113,8 @@ def test_a_checkpoint_states_whether_its_reranker_has_the_feature(tmp_path: Path
         learner.reranker.lexical_weight.fill_(0.25)
     folder = learner.save(tmp_path / "ckpt")
     meta = json.loads((folder / "meta.json").read_text())
-    assert meta["lexical_feature"] is True and meta["format_version"] == 3
+    assert meta["lexical_feature"] is True and meta["format_version"] == 4
+    assert meta["lexical_definition"] == LEXICAL_DEFINITION  # which feature w was learned on
     resumed = Learner.load(folder, lexical_feature=True)
     assert float(resumed.reranker.lexical_weight.detach()) == 0.25 and resumed.config == learner.config
     assert torch.equal(resumed._buffer[0].lexical, sel.candidates.lexical.float())
@@ -137,6 +139,45 @@ def test_a_checkpoint_states_whether_its_reranker_has_the_feature(tmp_path: Path
     with pytest.raises(CheckpointError, match="without the lexical feature"):
         registry.get("b")
     assert not LearnerRegistry(D, LearnerConfig(lexical_feature=False)).get("c").reranker.lexical_feature
+
+
+def test_a_format_3_reranker_trained_on_the_fused_score_loads_warns_and_is_saved_as_todays(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Format 3 names no definition: its w was learned on the fused score. It loads as it is (weights
+    and pending features kept), says so, and the next save records today's definition; a definition
+    this rmm does not know is refused, and so is a format-4 lexical checkpoint that names none."""
+    learner = Learner(ResidualLinearReranker(D, lexical_feature=True), LearnerConfig(tau=0.5))
+    sel = learner.select([candidates(3)], 2, generator=torch.Generator().manual_seed(2))[0]
+    learner.record(sel, torch.tensor([1.0, 0.0]))
+    with torch.no_grad():
+        learner.reranker.lexical_weight.fill_(0.8)
+    folder = learner.save(tmp_path / "old")
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["lexical_definition"]
+    (folder / "meta.json").write_text(json.dumps({**meta, "format_version": 3}))
+    with caplog.at_level("WARNING", logger="rmm.policy.checkpoint"):
+        old = Learner.load(folder, lexical_feature=True)
+    assert LEGACY_LEXICAL_DEFINITION in caplog.text and LEXICAL_DEFINITION in caplog.text
+    assert float(old.reranker.lexical_weight.detach()) == pytest.approx(0.8)
+    assert torch.equal(old._buffer[0].lexical, sel.candidates.lexical.float())  # as sampled
+    saved = json.loads((old.save(folder) / "meta.json").read_text())
+    assert saved["format_version"] == 4 and saved["lexical_definition"] == LEXICAL_DEFINITION
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rmm.policy.checkpoint"):
+        Learner.load(folder, lexical_feature=True)
+    assert "lexical feature" not in caplog.text  # today's definition: nothing to say
+    for stated, version in (("rrf-v9", 4), (None, 4)):
+        bad = {**saved, "format_version": version}
+        if stated is None:
+            del bad["lexical_definition"]
+        else:
+            bad["lexical_definition"] = stated
+        (folder / "meta.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match="lexical feature"):
+            Learner.load(folder, lexical_feature=True)
+    # A plain Eq. 1 checkpoint has no definition to state.
+    plain = json.loads((Learner(ResidualLinearReranker(D), LearnerConfig()).save(tmp_path / "p") / "meta.json").read_text())
+    assert "lexical_definition" not in plain
 
 
 # ---- through the hybrid first stage and rmm train's trainer -----------------------------------------
@@ -189,13 +230,16 @@ def hybrid(tmp_path: Path):
     bank.close()
 
 
-def test_hybrid_candidates_carry_the_fused_score_scaled_to_one(hybrid) -> None:
+def test_hybrid_candidates_carry_bm25s_score_scaled_over_its_depth_list(hybrid) -> None:
     dataset, retriever = hybrid
     q = dataset.questions[0]
     (c,) = retriever.search([q.text], q.user_id, 6)
     assert c.lexical is not None and c.lexical.shape == (6,)
-    assert torch.allclose(c.lexical, c.retriever_scores / (2 / (retriever.rrf_k + 1)))
+    (bm25,) = retriever.lexical.search([q.text], q.user_id, retriever.depth)
+    scaled = dict(zip(bm25.memory_ids, HybridRetriever.lexical_feature(bm25, bm25.memory_ids).tolist()))
+    assert c.lexical.tolist() == [scaled.get(m, 0.0) for m in c.memory_ids]
     assert float(c.lexical.max()) <= 1.0 and c.memory_ids[0] == "u0:D0:0"  # found by BM25, fused first
+    assert float(c.lexical[0]) == 1.0  # BM25's best: only the gold turn holds the keyword
     sub = candidate_subset(c, [2, 0])
     assert torch.equal(sub.lexical, c.lexical[[2, 0]])
     # The whole-bank search (the reranker's learned query) is fused with BM25 the same way.

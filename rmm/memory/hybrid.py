@@ -18,16 +18,23 @@ only BM25 found), and the query embedding is the encoder's, so the reranker resc
 candidates exactly as it rescores dense ones. The BM25 index is built over the bank's own store,
 so both halves always see the same memories.
 
-Every candidate also carries its fused score scaled to [0, 1] (`Candidates.lexical`: RRF divided
-by its largest possible value, 2 / (rrf_k + 1), so 1 = first in both lists; the convex mix is in
-[0, 1] already), for the reranker's learned lexical feature (`rmm.policy.reranker`). The scale is
-fixed, not per list, so the same memory at the same ranks has the same feature whatever K is.
+Every candidate also carries a lexical feature in [0, 1] for the reranker's learned lexical term
+(`Candidates.lexical`, `rmm.policy.reranker`): BM25's own score min-max scaled over BM25's list at
+the search depth (1 = BM25's best, 0 for its last and for a candidate BM25 did not return), the same
+for every fusion (`LEXICAL_DEFINITION`). Not the fused score: the reranker already adds the dense
+evidence as q·m, so a fused score counts the dense rank twice, and RRF's ranks compress BM25's
+evidence into a narrow band. On LoCoMo's training conversations, with w0 = 0.3, the fused score
+(scaled by its largest value or over the depth list) left the reranker ordering ~20-turn session
+memories nearly by cosine, 14–19 points of recall@5 below the first stage; BM25's scaled score
+makes `q·m + w0·f` a convex mix of dense and lexical evidence that starts and stays above the fused
+order at turn, session and topic granularity (`scripts/lexical_feature_spread.py`,
+`scripts/reranker_ablations.py`, `docs/results.md`). A fixed depth, not K,
+sets the scale, so the same memory has the same feature whatever K is.
 
 `fusion="lexical"` fuses nothing: the ranking is BM25's alone (same ids, same order, same scores
 as `BM25Retriever` over the bank's store), and the dense bank only supplies each candidate's
 embedding and the query's, so the reranker can rescore a BM25 first stage (`--retriever
-bm25:DENSE`). Its lexical feature is the BM25 score min-max scaled over BM25's list at the search
-depth — the convex rule with α = 0, so a fixed depth, not K, sets the scale.
+bm25:DENSE`). Its lexical feature is the same BM25 score scaled over BM25's list at the search depth.
 """
 
 from __future__ import annotations
@@ -44,14 +51,14 @@ from rmm.memory.bm25 import BM25Retriever
 from rmm.memory.storage import MemoryStorage
 from rmm.types import Candidates, Memory
 
-__all__ = ["FUSIONS", "HybridRetriever", "convex_fuse", "rrf_fuse"]
-
-_LISTS = 2  # fused rankings: dense and BM25
+__all__ = ["FUSIONS", "LEXICAL_DEFINITION", "HybridRetriever", "convex_fuse", "rrf_fuse"]
 
 log = logging.getLogger(__name__)
 
 Fusion = Literal["rrf", "convex", "lexical"]
 FUSIONS: tuple[str, ...] = ("rrf", "convex", "lexical")  # lexical: BM25's ranking alone (module docstring)
+# What `Candidates.lexical` means, recorded with every reranker trained on it (rmm.policy.checkpoint).
+LEXICAL_DEFINITION = "bm25-minmax-depth"
 
 
 def rrf_fuse(rankings: Sequence[Sequence[str]], rrf_k: float = 60.0) -> dict[str, float]:
@@ -174,10 +181,6 @@ class HybridRetriever:
         lexical = self.lexical.search(queries, user, max(k, self.depth))
         return [self._fuse(d, b, k, user) for d, b in zip(dense, lexical)]
 
-    def feature_scale(self) -> float:
-        """What divides a fused score into the [0, 1] lexical feature: its largest possible value."""
-        return _LISTS / (self.rrf_k + 1.0) if self.fusion == "rrf" else 1.0
-
     def fused_scores(self, dense: Candidates, lexical: Candidates) -> dict[str, float]:
         """id → fused score over the union of both lists (the fusion rule alone, for tests and tuning)."""
         if self.fusion == "rrf":
@@ -195,13 +198,12 @@ class HybridRetriever:
         far = len(dense.memory_ids) + len(lexical.memory_ids)
         order = sorted(fused, key=lambda m: (-fused[m], dense_rank.get(m, far), lexical_rank.get(m, far)))[:k]
         embeddings = self._embeddings(dense, order, user)
-        scores = torch.tensor([fused[m] for m in order], dtype=torch.float32)
         # BM25 alone reports BM25's own scores (as `BM25Retriever` does); a fusion reports the fused ones
         if self.fusion == "lexical":
             bm25 = dict(zip(lexical.memory_ids, lexical.retriever_scores.tolist()))
             ranked = torch.tensor([bm25[m] for m in order], dtype=torch.float32)
         else:
-            ranked = scores
+            ranked = torch.tensor([fused[m] for m in order], dtype=torch.float32)
         return Candidates(
             query=dense.query,
             memory_ids=order,
@@ -209,8 +211,15 @@ class HybridRetriever:
             embeddings=embeddings,
             query_embedding=dense.query_embedding,
             user_id=user,
-            lexical=(scores / self.feature_scale()).clamp(0.0, 1.0),
+            lexical=self.lexical_feature(lexical, order),
         )
+
+    @staticmethod
+    def lexical_feature(lexical: Candidates, order: Sequence[str]) -> torch.Tensor:
+        """`LEXICAL_DEFINITION` for the memories of `order`: BM25's score min-max scaled over BM25's
+        own (depth-deep) list `lexical`, 0 for a memory BM25 did not return (module docstring)."""
+        scaled = _min_max(lexical.memory_ids, lexical.retriever_scores.tolist())
+        return torch.tensor([scaled.get(m, 0.0) for m in order], dtype=torch.float32)
 
     def _embeddings(self, dense: Candidates, order: list[str], user: str) -> torch.Tensor:
         """The bank vectors of `order`: taken from the dense hits, fetched from the bank for BM25-only ones."""

@@ -11,8 +11,15 @@ A checkpoint is a folder —
 Format 2 added to each buffered record the τ, behaviour log-probability μ, weights version and
 mask it was sampled with (the off-policy correction needs them) and to the config the credit and
 importance options; format 3 `lexical_feature` in the meta (our extension of Eq. 1: the weights
-then hold `lexical_weight`; a checkpoint without the key is a plain Eq. 1 reranker). Formats 1 and
-2 are still read, and `Learner.load` upgrades them.
+then hold `lexical_weight`; a checkpoint without the key is a plain Eq. 1 reranker); format 4
+`lexical_definition` beside a true `lexical_feature`: which lexical feature the weights were
+trained on (`rmm.memory.hybrid.LEXICAL_DEFINITION`, BM25's score scaled over its top list). Formats
+1–3 are still read, and `Learner.load` upgrades them. A format-3 reranker with the lexical weight was
+trained on the feature before it (`LEGACY_LEXICAL_DEFINITION`: a hybrid's fused score over its
+largest value; for a `bm25:DENSE` first stage already today's): it loads as it is, with a warning —
+its w and residual are where learning resumes, and its pending selections keep the features they
+were sampled with, so every update stays correct — and the next save records today's definition.
+A definition this rmm does not know is refused.
 
 It is written to a temporary sibling and swapped in with two renames: a crash mid-write never
 leaves a half-written folder where the old one was, and a crash between the renames leaves the
@@ -39,10 +46,12 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from rmm.errors import CheckpointError, DimensionMismatchError, EncoderMismatchError
+from rmm.memory.hybrid import LEXICAL_DEFINITION
 
 __all__ = [
     "FORMAT_VERSION",
     "KIND",
+    "LEGACY_LEXICAL_DEFINITION",
     "READABLE_VERSIONS",
     "Checkpoint",
     "backup_of",
@@ -56,8 +65,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 2: records carry τ, μ, version, mask; config credit/importance. 3: lexical_feature
-READABLE_VERSIONS = (1, 2, 3)  # older ones the learner upgrades on load
+FORMAT_VERSION = 4  # 2: records carry τ, μ, version, mask; config credit/importance. 3: lexical_feature. 4: lexical_definition
+READABLE_VERSIONS = (1, 2, 3, 4)  # older ones the learner upgrades on load
+LEGACY_LEXICAL_DEFINITION = "fused-over-max"  # what a format-3 reranker's lexical weight was trained on
+_LEXICAL_DEFINITIONS = (LEGACY_LEXICAL_DEFINITION, LEXICAL_DEFINITION)
 KIND = "rmm-reranker"
 WEIGHTS, TRAINING, META = "reranker.safetensors", "optimizer.pt", "meta.json"
 _REQUIRED_META = ("dim", "encoder_name", "config", "stats")
@@ -99,6 +110,8 @@ def write_checkpoint(target: str | Path, *, weights: dict[str, Tensor], training
         torch.save(training, tmp / TRAINING)
         full_meta = {"format_version": FORMAT_VERSION, "kind": KIND, **meta,
                      "sha256": {name: _sha256(tmp / name) for name in (WEIGHTS, TRAINING)}}
+        if meta.get("lexical_feature"):  # the weights learn today's feature from here on (module docstring)
+            full_meta["lexical_definition"] = LEXICAL_DEFINITION
         (tmp / META).write_text(json.dumps(full_meta, indent=2))
         for name in (WEIGHTS, TRAINING, META):
             _fsync(tmp / name)
@@ -238,7 +251,26 @@ def _read_meta(folder: Path) -> dict[str, Any]:
     for key in _REQUIRED_META:
         if key not in meta:
             raise CheckpointError(f"{folder / META} lacks {key!r}")
+    if meta.get("lexical_feature"):
+        meta["lexical_definition"] = _lexical_definition(folder, meta, version)
     return meta
+
+
+def _lexical_definition(folder: Path, meta: dict[str, Any], version: int) -> str:
+    """Which lexical feature a reranker with the lexical weight was trained on (module docstring)."""
+    stated = meta.get("lexical_definition", LEGACY_LEXICAL_DEFINITION if version < 4 else None)
+    if stated is None:
+        raise CheckpointError(f"{folder / META} has a lexical weight but no 'lexical_definition' (which lexical "
+                              "feature it was trained on)")
+    if stated not in _LEXICAL_DEFINITIONS:
+        raise CheckpointError(f"checkpoint {folder} was trained on lexical feature {stated!r}; this rmm knows "
+                              f"{', '.join(map(repr, _LEXICAL_DEFINITIONS))}")
+    if stated != LEXICAL_DEFINITION:
+        log.warning("reranker checkpoint %s was trained on the lexical feature %r (format %s); this rmm computes "
+                    "%r (BM25's score scaled over its top list; the same for a bm25:DENSE first stage): its "
+                    "weights are where learning resumes, and the next save records %r", folder, stated,
+                    version, LEXICAL_DEFINITION, LEXICAL_DEFINITION)
+    return str(stated)
 
 
 def pack_checkpoint(folder: str | Path) -> bytes:
