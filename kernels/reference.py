@@ -18,6 +18,7 @@ that finds no valid candidate left is `-1` with log-probability 0; ties go to th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,10 @@ __all__ = [
     "gather_scores",
     "gumbel_from_uniform",
     "philox_uniform",
+    "picks_logp_of_logits",
     "plackett_luce_picks_logp",
     "rerank_reference",
+    "rerank_rows",
     "seeded_gumbel",
     "select_top_m",
     "stream_gumbel",
@@ -168,7 +171,7 @@ def _float32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def plackett_luce_picks_logp(scores: Tensor, picks: Tensor, tau: float) -> Tensor:
+def plackett_luce_picks_logp(scores: Tensor, picks: Tensor, tau: float, *, complete: bool = False) -> Tensor:
     """`log π_j = s[c_j]/τ − logsumexp(s/τ over valid candidates not yet picked)`; 0 where c_j = -1.
 
     The one Plackett–Luce log-probability: the reference's (so the sampler's μ) and, with
@@ -176,6 +179,8 @@ def plackett_luce_picks_logp(scores: Tensor, picks: Tensor, tau: float) -> Tenso
     leading batch dims; candidates on the last dim of `scores`, picks on the last dim of `picks`.
     Padding is whatever scores `-inf`; picks are distinct, and -1 marks no pick (a row that ran
     out, or padding to a common M): it removes nothing and scores 0, with zero gradient.
+    `complete=True` is the caller's promise that every pick is a real one (no -1, none scoring
+    `-inf`): the same values and gradients, without the ops that handle -1 picks.
 
     One masked `[M, K]` row per pick, not a reverse logcumsumexp over the picks (which saves ~30 µs
     on a CPU turn): that sums in another order, and REINFORCE under Adam carries a rounding change
@@ -184,13 +189,39 @@ def plackett_luce_picks_logp(scores: Tensor, picks: Tensor, tau: float) -> Tenso
     k = scores.shape[-1]
     if k == 0:  # nothing to pick from: every pick is -1
         return torch.zeros(picks.shape, dtype=torch.float32, device=scores.device)
-    logits = _float32(scores) / tau
-    has = picks >= 0
-    # picked[..., j, c]: pick j is c (a -1 pick lands in an extra column, sliced away)
-    picked = torch.nn.functional.one_hot(picks.masked_fill(~has, k), num_classes=k + 1)[..., :k]
-    available = (picked.cumsum(-2) == picked) & (logits > float("-inf")).unsqueeze(-2)  # not picked before j
-    empty = ~available.any(-1, keepdim=True)  # nothing left (only after a row ran out): a finite placeholder
+    logits = _float32(scores)
+    # x / 1 is x bit for bit, and so is its gradient: the learner (which divides by each row's τ first) skips an op
+    return picks_logp_of_logits(logits / tau if tau != 1.0 else logits, picks, complete=complete)
+
+
+@functools.lru_cache(maxsize=64)
+def _pick_steps(m: int, device: torch.device) -> Tensor:
+    """`arange(m)`, kept: every sampled turn and every update asks for the same one (never written to)."""
+    return torch.arange(m, device=device)
+
+
+def picks_logp_of_logits(logits: Tensor, picks: Tensor, *, complete: bool = False) -> Tensor:
+    """`plackett_luce_picks_logp` on logits already divided by τ (float32, K ≥ 1).
+
+    Row j of the `[M, K]` block keeps the candidates not picked before j: those whose rank (the
+    position of their pick, M when never picked) is ≥ j. One scatter of the pick positions builds
+    the ranks; the block, and so every value and gradient, is the one-hot form's
+    (`picked.cumsum(-2) == picked`) exactly, in fewer ops.
+    """
+    m, k = picks.shape[-1], logits.shape[-1]
+    steps = _pick_steps(m, logits.device)
+    if complete:
+        rank = torch.full(logits.shape, m, dtype=torch.long, device=logits.device)
+        rank.scatter_(-1, picks, steps.expand(picks.shape))
+    else:
+        has = picks >= 0  # a -1 pick scatters into an extra column, sliced away
+        rank = torch.full((*logits.shape[:-1], k + 1), m, dtype=torch.long, device=logits.device)
+        rank = rank.scatter_(-1, picks.masked_fill(~has, k), steps.expand(picks.shape))[..., :k]
+    available = (rank.unsqueeze(-2) >= steps.view(m, 1)) & (logits > float("-inf")).unsqueeze(-2)
     rows = torch.where(available, logits.unsqueeze(-2), float("-inf"))
+    if complete:  # every row holds its own pick: never empty
+        return logits.gather(-1, picks) - torch.logsumexp(rows, dim=-1)
+    empty = ~available.any(-1, keepdim=True)  # nothing left (only after a row ran out): a finite placeholder
     normaliser = torch.logsumexp(torch.where(empty, 0.0, rows), dim=-1)  # [..., M]
     return torch.where(has, logits.gather(-1, picks.clamp(min=0)) - normaliser, 0.0)
 
@@ -228,3 +259,39 @@ def rerank_reference(
     picks = select_top_m(keys, m)
     logp = plackett_luce_picks_logp(scores, picks, tau)
     return RerankResult(indices=picks, scores=scores, logp=logp, noise=noise, backend="torch")
+
+
+def rerank_rows(
+    queries: Tensor,
+    memories: Tensor,
+    m: int,
+    tau: float,
+    *,
+    explore: bool,
+    generator: torch.Generator | None = None,
+) -> RerankResult:
+    """`rerank_reference` over candidate rows already gathered, every one real: the CPU turn's step.
+
+    `memories [B, K, d]` float32 (row b holds query b's K candidates, so ids are `arange`), `queries
+    [B, d]` float32, 1 ≤ m ≤ K. Bit for bit `rerank_reference(queries, memories.reshape(-1, d),
+    arange(B·K).view(B, K), ...)` with the torch stream's noise — the same ops on the same values,
+    minus those that only act on padding: no gather of the rows, no padding fill, s/τ divided once
+    for the keys and log π, and log π without the -1 handling unless a pick scored `-inf`.
+    """
+    scores = (memories @ queries.unsqueeze(-1)).squeeze(-1)
+    batch, k = scores.shape
+    logits = scores / tau if tau != 1.0 else scores  # x / 1 is x, bit for bit
+    if explore:
+        noise: Tensor | None = stream_gumbel((batch, k), generator, device=scores.device)
+        keys = logits + noise
+    else:
+        noise, keys = None, scores
+    order = torch.sort(keys, dim=-1, descending=True, stable=True)
+    picks = order.indices[:, :m]
+    if bool((order.values[:, m - 1] == float("-inf")).any()):  # rows ran out of finite keys: -1 picks
+        picks = picks.masked_fill(order.values[:, :m] == float("-inf"), -1)
+        logp = picks_logp_of_logits(logits, picks)
+    else:
+        logp = picks_logp_of_logits(logits, picks, complete=True)
+    return RerankResult(indices=picks, scores=scores, logp=logp, noise=noise, backend="torch")
+

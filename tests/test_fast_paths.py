@@ -8,20 +8,33 @@
   loop over the picks.
 - The learner pads rows with fewer picks with -1 (scored 0) where it padded with repeats of pick 0
   and zeroed them afterwards: the same weights, update after update.
+- The `[M, K]` block of available candidates is built from the picks' ranks (one scatter), not
+  one-hot rows and a cumsum: the same values and gradients bit for bit, `complete=True` too.
+- `select` scores full candidate rows in place (`rerank_rows`) instead of gathering them through
+  the dispatched reference: the same picks, scores, log μ and noise bit for bit.
+- `optimizer_step` calls fused Adam's kernel without `Optimizer.step`'s wrappers: the same weights
+  and states bit for bit.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from rmm.kernels.reference import plackett_luce_picks_logp, rerank_reference
+from rmm.kernels.reference import (
+    picks_logp_of_logits,
+    plackett_luce_picks_logp,
+    rerank_reference,
+    rerank_rows,
+)
 from torch import Tensor
 
 import rmm.policy.learner as learner_module
+import rmm.policy.reranker as reranker_module
 from rmm.policy.learner import Learner, LearnerConfig
+from rmm.policy.optimizer import _direct_fused_adam, optimizer_step
 from rmm.policy.reranker import PolicyTaps, ResidualLinearReranker
 from rmm.policy.rewarded import RewardedSelection
-from rmm.types import Candidates
+from rmm.types import Candidates, Selection
 
 D = 24
 
@@ -183,3 +196,141 @@ def test_picks_logp_equals_the_loop(tau: float) -> None:
         torch.testing.assert_close(plackett_luce_picks_logp(result.scores, result.indices, tau), expected,
                                    rtol=0, atol=1e-5)
         assert (result.indices[1, 8:] == -1).all()
+
+
+# ---- the select step on full rows (rerank_rows) and the rank form of the picks' log π -------------
+def one_hot_picks_logp(logits: Tensor, picks: Tensor) -> Tensor:
+    """`plackett_luce_picks_logp` as it built the `[M, K]` block before: one-hot rows and a cumsum."""
+    k = logits.shape[-1]
+    has = picks >= 0
+    picked = torch.nn.functional.one_hot(picks.masked_fill(~has, k), num_classes=k + 1)[..., :k]
+    available = (picked.cumsum(-2) == picked) & (logits > float("-inf")).unsqueeze(-2)
+    empty = ~available.any(-1, keepdim=True)
+    rows = torch.where(available, logits.unsqueeze(-2), float("-inf"))
+    normaliser = torch.logsumexp(torch.where(empty, 0.0, rows), dim=-1)
+    return torch.where(has, logits.gather(-1, picks.clamp(min=0)) - normaliser, 0.0)
+
+
+def _logp_and_grad(fn, logits: Tensor, picks: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    leaf = logits.clone().requires_grad_()
+    logp = fn(leaf, picks)
+    (grad,) = torch.autograd.grad((logp * weights).sum(), leaf)
+    return logp.detach(), grad
+
+
+@pytest.mark.parametrize("m", [0, 1, 4, 9])
+def test_rank_form_of_picks_logp_is_the_one_hot_form_bit_for_bit(m: int) -> None:
+    """Values and gradients equal exactly, with -1 picks, `-inf` padding, rows that run out and
+    leading batch dims; `complete=True` equals both wherever every pick is real."""
+    rng = torch.Generator().manual_seed(m)
+    for _ in range(20):
+        logits = torch.randn(2, 3, 9, generator=rng) * 4
+        logits[0, 1, 5:] = float("-inf")  # padding: this row runs out after 5 picks
+        keys = logits + torch.rand(2, 3, 9, generator=rng)
+        order = torch.sort(keys, dim=-1, descending=True, stable=True)
+        picks = order.indices[..., :m].masked_fill(order.values[..., :m] == float("-inf"), -1)
+        weights = torch.randn(picks.shape, generator=rng)
+        expected = _logp_and_grad(one_hot_picks_logp, logits, picks, weights)
+        got = _logp_and_grad(picks_logp_of_logits, logits, picks, weights)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        if m <= 5:  # every pick real: the complete form too
+            got = _logp_and_grad(lambda x, p: picks_logp_of_logits(x, p, complete=True), logits, picks, weights)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def _reranker_with_weights(dim: int, lexical: bool, seed: int) -> ResidualLinearReranker:
+    reranker = ResidualLinearReranker(dim, lexical_feature=lexical)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in reranker.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return reranker
+
+
+@pytest.mark.parametrize("explore", [True, False])
+@pytest.mark.parametrize("lexical", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_rows_path_selects_what_the_dispatched_reference_does(monkeypatch: pytest.MonkeyPatch, explore: bool,
+                                                              lexical: bool, batch: int) -> None:
+    """Full candidate rows go through `rerank_rows`; the same picks, scores, log μ and noise, bit for bit,
+    as the gathered reference behind `rerank` (what every row took before), folded query or not."""
+    rerankers = {through_rows: _reranker_with_weights(D, lexical, seed=batch) for through_rows in (True, False)}
+    rng = torch.Generator().manual_seed(5)
+    calls = {"rows": 0}
+    real_rows = reranker_module.rerank_rows
+
+    def counting_rows(*args: object, **kwargs: object) -> object:
+        calls["rows"] += 1
+        return real_rows(*args, **kwargs)
+
+    def select(through_rows: bool, cands: list[Candidates], seed: int) -> list[Selection]:
+        with monkeypatch.context() as patch:
+            patch.setattr(reranker_module, "rerank_rows", counting_rows)
+            if not through_rows:
+                patch.setattr(reranker_module, "_rows_path", lambda *_: False)
+            return rerankers[through_rows].select(cands, 4, tau=0.3, explore=explore,
+                                                  generator=torch.Generator().manual_seed(seed))
+
+    for turn in range(3 * D):  # past D/2 query rows: the folded query serves the later turns
+        cands = [_candidates(rng, 10, lexical) for _ in range(batch)]
+        fast, plain = select(True, cands, turn), select(False, cands, turn)
+        for got, expected in zip(fast, plain):
+            assert got.chosen == expected.chosen
+            assert torch.equal(got.scores, expected.scores)
+            for mine, reference in ((got.logp, expected.logp), (got.noise, expected.noise)):
+                assert (mine is None) == (reference is None) == (not explore)
+                assert mine is None or torch.equal(mine, reference)
+    assert calls["rows"] == 3 * D
+    assert all(reranker._folded is not None for reranker in rerankers.values())
+
+
+def test_rows_path_marks_picks_past_the_finite_keys_like_the_reference() -> None:
+    """Rows whose scores are `-inf` (overflowing embeddings) leave picks -1 with log μ 0, as gathered."""
+    gen = torch.Generator().manual_seed(2)
+    memories = torch.randn(2, 6, D, generator=gen)
+    memories[0, 1:4] = 0.0
+    memories[0, 1:4, 0] = float("-inf")  # three candidates score -inf: row 0 has 3 finite keys for 5 picks
+    queries = torch.randn(2, D, generator=gen)
+    queries[:, 0] = 1.0
+    ids = torch.arange(12).view(2, 6)
+    for explore in (True, False):
+        got = rerank_rows(queries, memories, 5, 0.5, explore=explore, generator=torch.Generator().manual_seed(0))
+        expected = rerank_reference(queries, memories.reshape(-1, D), ids, 5, 0.5, explore=explore,
+                                    generator=torch.Generator().manual_seed(0))
+        assert got.indices[0, 3:].tolist() == [-1, -1] and (got.indices[1] >= 0).all()
+        assert torch.equal(got.indices, expected.indices) and torch.equal(got.logp, expected.logp)
+        assert torch.equal(got.scores, expected.scores)
+
+
+# ---- the optimizer step ----------------------------------------------------------------------------
+def _two_groups(seed: int, fused: bool = True, sgd: bool = False) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(D, D, generator=gen)) for _ in range(2)]
+    params.append(torch.nn.Parameter(torch.tensor(0.3)))
+    groups = [{"params": params[:2]}, {"params": params[2:], "lr": 1e-3}]
+    opt = torch.optim.SGD(groups, lr=3e-4) if sgd else torch.optim.Adam(groups, lr=3e-4, fused=fused)
+    return params, opt
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach", "sgd", "hooked"])
+def test_optimizer_step_is_step_bit_for_bit(kind: str) -> None:
+    """`optimizer_step` (fused Adam's kernel called directly) leaves the weights and states `step()` does,
+    including a step where one parameter has no gradient; other optimizers and hooks go through `step()`."""
+    (ours, opt), (theirs, ref) = (_two_groups(0, fused=kind != "foreach", sgd=kind == "sgd") for _ in range(2))
+    hooked: list[int] = []
+    if kind == "hooked":
+        opt.register_step_post_hook(lambda *_: hooked.append(1))
+    gen = torch.Generator().manual_seed(1)
+    for it in range(12):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=gen) * (10.0 if it == 3 else 1.0)
+            b.grad = a.grad.clone()
+        if it == 5:
+            ours[2].grad = theirs[2].grad = None
+        optimizer_step(opt)
+        ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    for mine, reference in zip(opt.state.values(), ref.state.values()):
+        assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
+    assert len(hooked) == (12 if kind == "hooked" else 0)
+    assert (_direct_fused_adam(opt) is not None) == (kind == "fused")

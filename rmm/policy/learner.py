@@ -30,7 +30,7 @@ from rmm.device import resolve_device
 from rmm.errors import CheckpointError
 from rmm.policy.checkpoint import FORMAT_VERSION, read_checkpoint, write_checkpoint
 from rmm.policy.credit import log_importance, pick_weights, truncated_importance
-from rmm.policy.optimizer import make_optimizer
+from rmm.policy.optimizer import make_optimizer, optimizer_step
 from rmm.policy.recipes import (
     RECIPES,
     LearnerConfig,
@@ -233,7 +233,10 @@ class Learner:
             scores, tap = self.reranker.tapped_policy_scores(t.queries, t.memories, t.lexical)
             taps.append(tap)
         logits = scores / t.taus.unsqueeze(-1)  # each selection at the τ it was sampled at
-        pl_logp = plackett_luce_logp(logits, t.chosen, 1.0, t.mask)  # padding picks (-1) score 0
+        if t.pick_valid is None and t.mask is None:  # no padding, no masks: real picks only (`rewarded` checks them)
+            pl_logp = plackett_luce_logp(logits, t.chosen, 1.0, complete=True)
+        else:
+            pl_logp = plackett_luce_logp(logits, t.chosen, 1.0, t.mask)  # padding picks (-1) score 0
         if paper:
             logp = paper_literal_logp(logits, t.noise / t.taus.unsqueeze(-1), t.chosen, 1.0, t.mask)
         else:
@@ -272,7 +275,7 @@ class Learner:
             return self._skip_nonfinite("gradients are not finite")
         if self.config.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.reranker.parameters(), self.config.max_grad_norm)
-        self.optimizer.step()
+        optimizer_step(self.optimizer)
         self._clear_grads()
         self.reranker.invalidate()
         self.stats.step += 1

@@ -13,7 +13,7 @@ import torch
 from rmm.policy.recipes import LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
 
-__all__ = ["LEXICAL_LR_SCALE", "make_optimizer", "param_groups"]
+__all__ = ["LEXICAL_LR_SCALE", "make_optimizer", "optimizer_step", "param_groups"]
 
 # The lexical weight's step relative to lr (`param_groups`). On LoCoMo's training conversations
 # (prequential recall@5 of rmm train --retriever hybrid) ×10 and ×30 learned w to 0.42–0.57 from a start
@@ -41,3 +41,58 @@ def make_optimizer(reranker: ResidualLinearReranker, config: LearnerConfig) -> t
         return torch.optim.Adam(params, lr=config.lr, fused=True)
     except (RuntimeError, ValueError, TypeError):  # a device without a fused kernel
         return torch.optim.Adam(params, lr=config.lr)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer.step()`; for a plain fused Adam, its kernel called directly.
+
+    `Optimizer.step`'s wrappers (profiler range, hooks, dynamo guards, per-group bookkeeping) cost
+    about as much as the fused kernel itself on a small CPU update. With nothing they would act on —
+    no hooks, no grad scaler, no AMSGrad/maximize/capturable/differentiable, every state made — this
+    calls what `torch.optim.adam._fused_adam` calls, in the same order, on the same arguments: the
+    same weights and states, bit for bit. Anything else goes through `step()`.
+    """
+    calls = _direct_fused_adam(optimizer)
+    if calls is None:
+        optimizer.step()
+        return
+    for steps, args, kwargs in calls:
+        torch._foreach_add_(steps, 1)
+        torch._fused_adam_(*args, **kwargs)
+
+
+def _direct_fused_adam(optimizer: torch.optim.Optimizer) -> list[tuple[list, tuple, dict[str, Any]]] | None:
+    """The fused kernel calls `optimizer.step()` would make, or None where it does more than those."""
+    if type(optimizer) is not torch.optim.Adam or optimizer._optimizer_step_pre_hooks or \
+            optimizer._optimizer_step_post_hooks or _global_step_hooks() or \
+            getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        return None
+    calls = []
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group.get("amsgrad") or group.get("maximize") or group.get("capturable") \
+                or group.get("differentiable") or group.get("decoupled_weight_decay") \
+                or isinstance(group["lr"], torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"]):
+            return None
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        states = [optimizer.state.get(p) for p in params]
+        if any(not s or "step" not in s for s in states) or \
+                len({(p.device, p.dtype) for p in params}) != 1 or any(p.is_complex() for p in params):
+            return None  # first step (states made by step()), or more than one device/dtype group
+        steps = [s["step"] for s in states]
+        args = (params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [], steps)
+        beta1, beta2 = group["betas"]
+        kwargs = {"amsgrad": False, "lr": group["lr"], "beta1": beta1, "beta2": beta2,
+                  "weight_decay": group["weight_decay"], "eps": group["eps"], "maximize": False,
+                  "grad_scale": None, "found_inf": None}
+        calls.append((steps, args, kwargs))
+    return calls
+
+
+def _global_step_hooks() -> bool:
+    """Whether any global optimizer step hook is registered (`register_optimizer_step_*_hook`)."""
+    from torch.optim import optimizer as module
+
+    return bool(module._global_optimizer_pre_hooks or module._global_optimizer_post_hooks)

@@ -41,7 +41,8 @@ import torch
 from torch import Tensor, nn
 
 from rmm.errors import DimensionMismatchError
-from rmm.kernels.dispatch import rerank
+from rmm.kernels.dispatch import rerank, resolve_backend
+from rmm.kernels.reference import rerank_rows
 from rmm.types import Candidates, Selection
 
 __all__ = ["LEXICAL_INIT", "PolicyTaps", "ResidualLinearReranker", "candidate_subset", "stack_candidates", "stack_lexical"]
@@ -138,6 +139,19 @@ def candidate_subset(candidates: Candidates, positions: Sequence[int]) -> Candid
 def _on_cpu(t: Tensor) -> Tensor:
     """`t.cpu()` without the dispatcher round trip when it is there already (four per select)."""
     return t if t.device.type == "cpu" else t.cpu()
+
+
+def _rows_path(memories: Tensor, m: int) -> bool:
+    """Whether `rerank_rows` may serve this step: float32, and the backend `rerank` would pick is the
+    torch reference (CPU; `RMM_KERNEL_BACKEND` is honoured, and a bad value still raises there)."""
+    return (memories.dtype == torch.float32 and memories.device.type == "cpu"
+            and resolve_backend("auto", memories.device, memories.shape[1], m) == "torch")
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """`t` when contiguous and 64-byte aligned like a fresh allocation, else such a copy (a block the
+    reference gathers is one; MKL's results may depend on alignment)."""
+    return t if t.is_contiguous() and t.data_ptr() % 64 == 0 else torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
 
 
 def _allowed(candidates: Sequence[Candidates], padding: Tensor,
@@ -343,13 +357,19 @@ class ResidualLinearReranker(nn.Module):
                 w = self.lexical_weight.detach().to(transformed.dtype).expand(transformed.shape[0], 1)
                 transformed = torch.cat([transformed, w], -1)
                 memories = torch.cat([memories, lexical.unsqueeze(-1)], -1)
-            bank = memories.reshape(-1, memories.shape[-1])
-            slots = torch.arange(bank.shape[0], device=bank.device).view(memories.shape[:2])
-            if min(len(c) for c in candidates) < k_max:  # short rows: their padding is id -1
-                slots = slots.masked_fill(~mask, -1)
-            ranked = rerank(transformed, bank, slots, m_batch,
-                            tau if explore else 1.0, explore=explore, generator=generator,
-                            mask=None if exclude is None else allowed)
+            if exclude is None and min(counts) == k_max and _rows_path(memories, m_batch):
+                # every row full, nothing masked, torch backend: the step on the rows as they are
+                # (rerank_rows: bit for bit the dispatched reference, without its gather and checks)
+                ranked = rerank_rows(transformed, _aligned(memories), m_batch, tau if explore else 1.0,
+                                     explore=explore, generator=generator)
+            else:
+                bank = memories.reshape(-1, memories.shape[-1])
+                slots = torch.arange(bank.shape[0], device=bank.device).view(memories.shape[:2])
+                if min(len(c) for c in candidates) < k_max:  # short rows: their padding is id -1
+                    slots = slots.masked_fill(~mask, -1)
+                ranked = rerank(transformed, bank, slots, m_batch,
+                                tau if explore else 1.0, explore=explore, generator=generator,
+                                mask=None if exclude is None else allowed)
             scores, chosen = _on_cpu(ranked.scores), _on_cpu(ranked.indices)
             noise = None if ranked.noise is None else _on_cpu(ranked.noise)
             logp = _on_cpu(ranked.logp) if explore else None

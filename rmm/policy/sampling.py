@@ -89,21 +89,22 @@ def gumbel_top_m(
 
 
 def plackett_luce_logp(
-    scores: Tensor, chosen: Tensor, tau: float, mask: Tensor | None = None
+    scores: Tensor, chosen: Tensor, tau: float, mask: Tensor | None = None, *, complete: bool = False
 ) -> Tensor:
     """Log-probability of each pick in order: `logit[c_j] − logsumexp(logits not yet picked)`.
 
     Differentiable w.r.t. `scores`, in float32; `rmm.kernels.reference.plackett_luce_picks_logp`
     with the mask applied as `-inf` scores. Picks are distinct; -1 marks padding (rows with fewer picks,
     after their real ones) and scores 0 with zero gradient, so it never changes the real picks.
-    The caller guarantees real picks are valid.
+    The caller guarantees real picks are valid; `complete=True` promises there is no -1 pick and
+    no masked or `-inf` one either (same values and gradients, fewer ops).
     """
     _check_tau(tau)
     if chosen.shape[:-1] != scores.shape[:-1]:
         raise ValueError(
             f"chosen batch shape {tuple(chosen.shape[:-1])} != scores batch shape {tuple(scores.shape[:-1])}"
         )
-    return plackett_luce_picks_logp(_masked(scores, mask), chosen.long(), tau)
+    return plackett_luce_picks_logp(_masked(scores, mask), chosen.long(), tau, complete=complete)
 
 
 def paper_literal_logp(
