@@ -19,6 +19,7 @@ that finds no valid candidate left is `-1` with log-probability 0; ties go to th
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -276,7 +277,8 @@ def rerank_rows(
     [B, d]` float32, 1 ≤ m ≤ K. Bit for bit `rerank_reference(queries, memories.reshape(-1, d),
     arange(B·K).view(B, K), ...)` with the torch stream's noise — the same ops on the same values,
     minus those that only act on padding: no gather of the rows, no padding fill, s/τ divided once
-    for the keys and log π, and log π without the -1 handling unless a pick scored `-inf`.
+    for the keys and log π, and log π from the sort's ranking (`_ranked_picks_logp`) unless a score is
+    not finite.
     """
     scores = (memories @ queries.unsqueeze(-1)).squeeze(-1)
     batch, k = scores.shape
@@ -288,10 +290,21 @@ def rerank_rows(
         noise, keys = None, scores
     order = torch.sort(keys, dim=-1, descending=True, stable=True)
     picks = order.indices[:, :m]
-    if bool((order.values[:, m - 1] == float("-inf")).any()):  # rows ran out of finite keys: -1 picks
+    if math.isfinite(float(logits.sum())):  # every score finite (one sum: the usual case), so every key is
+        logp = _ranked_picks_logp(logits, order.indices, m)
+    else:  # a score overflowed or is NaN: picks past the finite keys are -1, as the reference marks them
         picks = picks.masked_fill(order.values[:, :m] == float("-inf"), -1)
         logp = picks_logp_of_logits(logits, picks)
-    else:
-        logp = picks_logp_of_logits(logits, picks, complete=True)
     return RerankResult(indices=picks, scores=scores, logp=logp, noise=noise, backend="torch")
+
+
+def _ranked_picks_logp(logits: Tensor, ranking: Tensor, m: int) -> Tensor:
+    """`picks_logp_of_logits(logits, ranking[..., :m], complete=True)` for finite logits, from the full
+    ranking the top-M came from (`[..., K]`, a permutation per row): each candidate's rank is its position
+    in it, so the `[M, K]` block needs one scatter and no `-inf` mask — the same values, bit for bit."""
+    k = logits.shape[-1]
+    rank = torch.empty_like(ranking).scatter_(-1, ranking, _pick_steps(k, logits.device).expand(ranking.shape))
+    rows = torch.where(rank.unsqueeze(-2) >= _pick_steps(m, logits.device).view(m, 1), logits.unsqueeze(-2),
+                       float("-inf"))
+    return logits.gather(-1, ranking[..., :m]) - torch.logsumexp(rows, dim=-1)
 

@@ -22,16 +22,31 @@ again at every step. The rest of a turn is per-op overhead (~70 small torch ops 
 `--dims 16` shows it alone, the difference to 384 is memory traffic.
 
     python scripts/bench_reranker.py --dims 384 768 --with-encoder
+
+`--baseline REV` times the reranker of another revision against this tree's in the same run: REV's
+`rmm` and `kernels` exported with `git archive` into a temporary folder, each side a fresh process
+(old and new alternating, ABBA, `--rounds` times), and prints both sides' figures per round with
+new/old — a ratio on one machine at one time, which a shared machine's load shifts far less than
+either figure.
+
+    python scripts/bench_reranker.py --dims 384 --clock cpu --baseline HEAD~1 --rounds 4
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable
+from io import BytesIO
+from pathlib import Path
 
 import torch
 
@@ -154,6 +169,65 @@ def bench_encoder(turns: int, repeats: int) -> float | None:
     return median_us(encode, max(4, turns // 10), repeats)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+REPORTED = ("explore_select", "update_batch", "turn")
+
+
+def export_tree(revision: str, folder: Path) -> Path:
+    """`rmm` and `kernels` as of `revision`, laid out as installed (`kernels` → `rmm.kernels`) under `folder`."""
+    archive = subprocess.run(["git", "archive", "--format=tar", revision, "rmm", "kernels"], cwd=ROOT,
+                             capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    (folder / "kernels").rename(folder / "rmm" / "kernels")
+    return folder
+
+
+def run_side(tree: Path | None, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """One fresh process timing the reranker (`--worker`) on `tree`'s rmm, or this checkout's when None."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--dims", *map(str, args.dims),
+               "--turns", str(args.turns), "--repeats", str(args.repeats), "--threads", str(args.threads),
+               "--statistic", args.statistic, "--clock", args.clock]
+    done = subprocess.run(command, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = (tree or ROOT).resolve()
+    if not Path(result["rmm"]).resolve().is_relative_to(expected):
+        raise SystemExit(f"a worker imported rmm from {result['rmm']}, not from {expected}")
+    return result["dims"]
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Old (`--baseline`) and new reranker turns, alternating fresh processes; prints each round and new/old."""
+    def load() -> str:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+    with tempfile.TemporaryDirectory(prefix="bench_reranker_") as tmp:
+        tree = export_tree(args.baseline, Path(tmp))
+        print(f"baseline {args.baseline} vs this tree; {args.statistic} of {args.repeats} x {args.turns} turns, "
+              f"{args.clock} clock, {args.threads} thread(s); load averages at start {load()}")
+        print(f"{'round':>5} {'side':>4} {'d':>4} | {'explore':>8} {'upd/4':>8} {'rerank':>8} | {'new/old':>7}")
+        turns: dict[int, dict[str, list[float]]] = {d: {"old": [], "new": []} for d in args.dims}
+        for r in range(args.rounds):
+            sides = ("old", "new") if r % 2 == 0 else ("new", "old")
+            results = {side: run_side(tree if side == "old" else None, args) for side in sides}
+            for dim in args.dims:
+                for side in ("old", "new"):
+                    fig = results[side][str(dim)]
+                    turns[dim][side].append(fig["turn"])
+                    ratio = fig["turn"] / results["old"][str(dim)]["turn"] if side == "new" else None
+                    print(f"{r + 1:>5} {side:>4} {dim:>4} | " + " ".join(f"{fig[k]:>8.1f}" for k in REPORTED)
+                          + (f" | {ratio:>7.2f}" if ratio is not None else " |"))
+        print(f"load averages at end {load()}")
+        for dim in args.dims:
+            old, new = (statistics.median(turns[dim][side]) for side in ("old", "new"))
+            print(f"d={dim}: rerank per turn, median of {args.rounds} rounds: old {old:.1f} µs, new {new:.1f} µs, "
+                  f"new/old {new / old:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[384, 768])
@@ -167,6 +241,10 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu = this thread's CPU time (time.thread_time): what a turn costs whatever else "
                              "the machine runs; needs --threads 1")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also time git revision REV's reranker in the same run (fresh processes, alternating)")
+    parser.add_argument("--rounds", type=int, default=4, help="old/new process pairs with --baseline")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one side of --baseline
     args = parser.parse_args()
     global STATISTIC, CLOCK
     STATISTIC = min if args.statistic == "min" else statistics.median
@@ -177,6 +255,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.worker:
+        import rmm
+
+        dims = {str(dim): bench_reranker(dim, args.turns, args.repeats) for dim in args.dims}
+        print(json.dumps({"rmm": rmm.__file__, "dims": dims}))
+        return
+    if args.baseline:
+        compare(args)
+        return
 
     encode_us = bench_encoder(args.turns, args.repeats) if args.with_encoder else None
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

@@ -122,6 +122,7 @@ class Learner:
         self._buffer: list[RewardedSelection] = []
         self._warned_tau: set[float] = set()
         self.last_log_ratio: Tensor | None = None  # log π_θ/μ of each selection in the last `loss`
+        self._last_rho: Tensor | None = None  # and its ρ, before any normalising (`_count` reuses it)
         self.optimizer = make_optimizer(self.reranker, self.config)
         self._grad_buffers: tuple[Tensor, Tensor] | None = None  # W_q's and W_m's gradients (`_backward`)
 
@@ -245,7 +246,7 @@ class Learner:
         if t.pick_valid is not None:  # a padding pick carries no credit (`pick_weights` needs A = 0 there)
             advantage = advantage.masked_fill(~t.pick_valid, 0.0)
         log_ratio = self.last_log_ratio = log_importance(pl_logp, t.behaviour_logp)
-        rho = self._importance(log_ratio)
+        rho = self._last_rho = self._importance(log_ratio)
         if self.config.importance and self.config.is_normalize:
             rho = rho / rho.mean().clamp(min=torch.finfo(rho.dtype).tiny)
         weights = pick_weights(advantage, self.config.credit)
@@ -271,7 +272,7 @@ class Learner:
         grads = [p.grad for p in self.reranker.parameters() if p.grad is not None]
         # One reduction instead of an elementwise isfinite per d×d gradient: a sum is NaN/inf
         # whenever any element is (or when finite values overflow — worth skipping as well).
-        if grads and not bool(torch.isfinite(torch.stack([g.sum() for g in grads]).sum())):
+        if grads and not math.isfinite(float(torch.stack([g.sum() for g in grads]).sum())):
             return self._skip_nonfinite("gradients are not finite")
         if self.config.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.reranker.parameters(), self.config.max_grad_norm)
@@ -308,8 +309,11 @@ class Learner:
         self.stats.reward_sum += float(sum(p.rewards.sum() for p in batch))
         self.stats.reward_count += sum(p.rewards.numel() for p in batch)
         if self.last_log_ratio is not None:
-            log_ratio = self.last_log_ratio[torch.isfinite(self.last_log_ratio)]
-            self.stats.importance_sum += float(self._importance(log_ratio).sum())
+            log_ratio, rho = self.last_log_ratio, self._last_rho
+            if not math.isfinite(float(log_ratio.sum())):  # some ratio is not finite: count the others
+                log_ratio = log_ratio[torch.isfinite(log_ratio)]
+                rho = self._importance(log_ratio)
+            self.stats.importance_sum += float(rho.sum())
             self.stats.importance_count += int(log_ratio.numel())
             if self.config.importance:
                 self.stats.importance_clipped += int((log_ratio > math.log(self.config.is_clip)).sum())

@@ -154,6 +154,11 @@ def _aligned(t: Tensor) -> Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 64 == 0 else torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
 
 
+def _row(t: Tensor, i: int, kept: slice | list[int] | None) -> Tensor:
+    """Row `i` of `t` at `kept` (None: all of it, one indexing op instead of two)."""
+    return t[i] if kept is None else t[i, kept]
+
+
 def _allowed(candidates: Sequence[Candidates], padding: Tensor,
              exclude: Sequence[Collection[str]] | None) -> Tensor:
     """`[B, K]` True where a candidate is real and not excluded."""
@@ -378,7 +383,7 @@ class ResidualLinearReranker(nn.Module):
         for i, c in enumerate(candidates):
             m_i = min(m, counts[i])
             picks = chosen_lists[i][:m_i]
-            kept: slice | list[int] = slice(0, len(c))
+            kept: slice | list[int] | None = slice(0, len(c)) if len(c) < k_max else None  # None: the whole row
             if counts[i] < len(c):  # some were excluded: keep only the candidates the sample drew from
                 kept = allowed[i, : len(c)].nonzero().flatten().tolist()
                 position = {old: new for new, old in enumerate(kept)}
@@ -387,9 +392,9 @@ class ResidualLinearReranker(nn.Module):
                 Selection(
                     candidates=c,
                     chosen=picks,
-                    scores=scores[i, kept],
-                    logp=None if logp is None else logp[i, :m_i],
-                    noise=None if noise is None else noise[i, kept],
+                    scores=_row(scores, i, kept),
+                    logp=None if logp is None else (logp[i] if m_i == logp.shape[1] else logp[i, :m_i]),
+                    noise=None if noise is None else _row(noise, i, kept),
                     explore=explore,
                     tau=float(tau),
                     version=self.version,
