@@ -1,6 +1,7 @@
 """The lexical feature (our extension of Eq. 1): `s_i = q'·m'_i + w·f_i` with one learned scalar `w`
-and `f` the hybrid first stage's fused score in [0, 1]. Scored the same on every path, recorded with
-the selection, learned from citations, kept in checkpoints, off with a flag."""
+and `f` the hybrid first stage's lexical feature in [0, 1] (BM25's score scaled over its top list).
+Scored the same on every path, recorded with the selection, learned from citations, kept in
+checkpoints with the feature's definition, off with a flag."""
 
 from __future__ import annotations
 
@@ -199,7 +200,7 @@ class TableEncoder:
 def lexical_problem(n_users: int = 4, n_questions: int = 24) -> tuple[Dataset, TableEncoder]:
     """Each question names a rare keyword that only its gold turn contains; two decoys match the
     query's embedding better and the gold turn's embedding is no different in kind, so Eq. 1 alone
-    cannot find it — BM25 can, and so can a reranker that learns to trust the fused score."""
+    cannot find it — BM25 can, and so can a reranker that learns to trust the lexical feature."""
     g = torch.Generator().manual_seed(0)
     table, sessions, questions = {}, {}, []
     for u in range(n_users):
