@@ -93,7 +93,7 @@ class OnlineConfig:
     credit: str = LearnerConfig.credit  # per-pick | reward-to-go | sequence (rmm.policy.credit)
     importance: bool = LearnerConfig.importance  # weight stale selections by min(is_clip, π/μ)
     is_clip: float = LearnerConfig.is_clip
-    lexical_feature: bool = True  # learn a weight for the hybrid first stage's fused score (rmm.policy.reranker)
+    lexical_feature: bool = True  # learn a weight for the first stage's scaled BM25 score (rmm.policy.reranker)
 
     def __post_init__(self) -> None:
         try:

@@ -83,7 +83,7 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
                    help="no importance correction of stale rewards (default: weight by min(clip, π/μ))")
     p.add_argument("--is-clip", type=positive_float, help="truncation of the importance ratio π/μ (default 1)")
     p.add_argument("--no-lexical-feature", dest="lexical_feature", action="store_false",
-                   help="plain Eq. 1: no learned weight for a hybrid retriever's fused score (our extension; "
+                   help="plain Eq. 1: no learned weight for the first stage's scaled BM25 score (our extension; "
                         "it acts only on --retriever hybrid[:DENSE] and bm25:DENSE candidates)")
     p.add_argument("--delay", type=non_negative_int, default=0,
                    help="deliver each reward only after this many further learner updates (staleness study)")

@@ -28,7 +28,7 @@ class LearnerConfig:
     shrinks the step). `tau` is what `Learner.select` samples with; a selection that recorded
     its own τ is learned at that τ, so sampling and log π never use two different values.
     `lexical_feature`: rerankers a registry builds get the learned weight of the hybrid first
-    stage's fused score (`rmm.policy.reranker`; our extension of Eq. 1, a no-op for candidates
+    stage's scaled BM25 score (`rmm.policy.reranker`; our extension of Eq. 1, a no-op for candidates
     without the feature); a learner given a reranker learns whatever that reranker has."""
 
     lr: float = 1e-3
