@@ -280,7 +280,8 @@ def rerank_rows(
     for the keys and log π, and log π from the sort's ranking (`_ranked_picks_logp`) unless a score is
     not finite.
     """
-    scores = (memories @ queries.unsqueeze(-1)).squeeze(-1)
+    # the bmm `gathered @ q.unsqueeze(-1)` reaches through matmul's expands and views, called directly
+    scores = torch.bmm(memories, queries.unsqueeze(-1)).squeeze(-1)
     batch, k = scores.shape
     logits = scores / tau if tau != 1.0 else scores  # x / 1 is x, bit for bit
     if explore:
