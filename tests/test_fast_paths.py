@@ -334,3 +334,25 @@ def test_optimizer_step_is_step_bit_for_bit(kind: str) -> None:
         assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
     assert len(hooked) == (12 if kind == "hooked" else 0)
     assert (_direct_fused_adam(opt) is not None) == (kind == "fused")
+
+
+def test_rows_path_on_a_misaligned_or_strided_block_equals_the_gathered_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Embeddings that are a view at an odd offset, or every other row of a bigger block, are copied
+    to a fresh block first (as the reference's gather does): the same scores, bit for bit."""
+    gen = torch.Generator().manual_seed(9)
+    storage = torch.randn(1 + 2 * 10 * D, generator=gen)
+    q = torch.randn(D, generator=gen)
+    views = {"offset": storage[1 : 1 + 10 * D].view(10, D), "strided": storage[: 20 * D].view(20, D)[::2]}
+    for name, mem in views.items():
+        assert not (mem.is_contiguous() and mem.data_ptr() % 64 == 0), name
+        assert reranker_module._aligned(mem).data_ptr() % 64 == 0
+        cand = Candidates("q", [str(i) for i in range(10)], mem @ q, mem, q)
+        sides = {}
+        for through_rows in (True, False):
+            reranker = _reranker_with_weights(D, False, seed=4)
+            with monkeypatch.context() as patch:
+                if not through_rows:
+                    patch.setattr(reranker_module, "_rows_path", lambda *_: False)
+                sides[through_rows] = reranker.select([cand], 4, explore=True, generator=torch.Generator().manual_seed(1))[0]
+        assert sides[True].chosen == sides[False].chosen, name
+        assert torch.equal(sides[True].scores, sides[False].scores) and torch.equal(sides[True].logp, sides[False].logp)

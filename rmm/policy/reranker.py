@@ -151,7 +151,9 @@ def _rows_path(memories: Tensor, m: int) -> bool:
 def _aligned(t: Tensor) -> Tensor:
     """`t` when contiguous and 64-byte aligned like a fresh allocation, else such a copy (a block the
     reference gathers is one; MKL's results may depend on alignment)."""
-    return t if t.is_contiguous() and t.data_ptr() % 64 == 0 else torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+    if t.is_contiguous() and t.data_ptr() % 64 == 0:
+        return t
+    return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
 
 
 def _row(t: Tensor, i: int, kept: slice | list[int] | None) -> Tensor:
@@ -255,8 +257,8 @@ class ResidualLinearReranker(nn.Module):
         q = queries + lin
         mmo = q @ wm  # = q @ self.W_m.weight
         u = q + mmo
-        # the bmm `memories @ u.unsqueeze(-1)` makes through matmul's views, called directly: same values and
-        # gradients, fewer ops and autograd nodes
+        # the bmm that `memories @ u.unsqueeze(-1)` reaches through matmul's views, called directly: the same
+        # values and gradients, fewer ops and autograd nodes
         scores = self._plus_lexical(torch.bmm(memories, u.unsqueeze(-1)).squeeze(-1), lexical)
         return scores, PolicyTaps(queries=queries, lin=lin, q=q, mmo=mmo)
 
