@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import random
 import re
@@ -44,12 +43,17 @@ from rmm.training.splits import split_questions
 from rmm.data import load_dataset
 from rmm.encoders.passage_cache import attach_cache
 from rmm.eval.benchmark_bank import open_retriever
-from rmm.eval.retrieval import SEPARATE_CATEGORIES, GoldScorer, headroom_captured, scorable
+from rmm.eval.retrieval import (
+    SEPARATE_CATEGORIES,
+    GoldScorer,
+    headroom_captured,
+    scorable,
+)
 from rmm.memory.bm25 import BM25Retriever
 from rmm.memory.hybrid import HybridRetriever
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reranker_features import TurnPlace, candidate_features, feature_names  # noqa: E402
+from reranker_features import TurnPlace, candidate_features, feature_names, rrf_feature
 
 log = logging.getLogger("reranker_ceiling")
 PREFIX = re.compile(r"^what do you know about:\s*", re.IGNORECASE)
@@ -92,16 +96,17 @@ def places_of(dataset, user: str) -> tuple[dict[str, TurnPlace], str]:
     return places, majority
 
 
-def collect(args: argparse.Namespace, dataset, bank, scorer, split, users: list[str], with_features: bool
-            ) -> dict[str, list[tuple]]:
-    """Every training user's scorable questions with their top-K candidates (and features), by user."""
+def collect(args: argparse.Namespace, dataset, bank, scorer, split, users: list[str], with_features: bool,
+            keep_separate: bool = False) -> dict[str, list[tuple]]:
+    """Every training user's scorable questions with their top-K candidates (and features), by user;
+    the dataset's separately reported categories too with `keep_separate` (last tuple entry: headline?)."""
     separate = set(SEPARATE_CATEGORIES.get(dataset.name, ()))
     hybrid = isinstance(bank, HybridRetriever)
     dense_bank = bank.bank if hybrid else bank
     bm25 = bank.lexical if hybrid else (BM25Retriever(bank.store) if with_features else None)
     by_user: dict[str, list[tuple]] = {}
     for user in users:
-        qs = [q for q in split.train if q.user_id == user and q.category not in separate]
+        qs = [q for q in split.train if q.user_id == user and (keep_separate or q.category not in separate)]
         if not qs:
             continue
         memories = {m.id: m for m in bank.memories(user)}
@@ -119,7 +124,9 @@ def collect(args: argparse.Namespace, dataset, bank, scorer, split, users: list[
             label = torch.tensor([bool(set(memories[mid].refs) & gold) for mid in c.memory_ids])
             qe, me = c.query_embedding.reshape(-1), c.embeddings
             fused = torch.zeros(args.k) if getattr(c, "lexical", None) is None else c.lexical.reshape(-1).float()
-            if with_features:
+            if with_features:  # the RRF fused score computed here: the library's `lexical` definition may move
+                fused = torch.tensor(rrf_feature(c.memory_ids, [dense[i].memory_ids, lexical[i].memory_ids],
+                                                 getattr(bank, "rrf_k", 10.0)))
                 mems = [memories[mid] for mid in c.memory_ids]
                 feats = candidate_features(
                     texts[i], c.memory_ids, [mm.source_text or mm.text for mm in mems],
@@ -129,7 +136,7 @@ def collect(args: argparse.Namespace, dataset, bank, scorer, split, users: list[
                 f = torch.tensor([feats[n] for n in ALL_FEATURES], dtype=torch.float32).T  # [K, F]
             else:
                 f = fused.reshape(-1, 1)
-            rows.append((qe, me, label, float(len(gold)), f))
+            rows.append((qe, me, label, float(len(gold)), f, q.category not in separate))
     return by_user
 
 
@@ -170,9 +177,9 @@ def fit_spec(spec: str, args: argparse.Namespace, data: dict[str, Rows]) -> dict
     unknown = options - {"mlp", "nores"}
     if unknown:
         raise SystemExit(f"unknown option(s) {sorted(unknown)} in --features {spec!r} (known: mlp, nores)")
-    names = [n for n in feature_names(parts[0].split("+")) if n != "fused"]
+    names = [n for n in feature_names(parts[0].split("+")) if n != args.base_feature]
     cols = [ALL_FEATURES.index(n) for n in names]
-    fused_col = ALL_FEATURES.index("fused")
+    fused_col = ALL_FEATURES.index(args.base_feature)
     fit = data["fit"]
     raw = fit.feats[..., cols].flatten(0, 1)
     mean, std = (raw.mean(0), raw.std(0).clamp(min=1e-6)) if cols else (torch.zeros(0), torch.ones(0))
@@ -196,7 +203,11 @@ def fit_spec(spec: str, args: argparse.Namespace, data: dict[str, Rows]) -> dict
             return recall_at(model(*inputs(data[name])), data[name], args.m)
 
     start = time.process_time()
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
     history = [(0, score("val"), score("check"))]
+    best_state = snapshot()
     for step in range(1, args.max_steps + 1):
         s = model(*x_fit) / args.tau
         loss = -(torch.logsumexp(s.masked_fill(~trainable.label, -1e9), 1) - torch.logsumexp(s, 1)).mean()
@@ -205,12 +216,15 @@ def fit_spec(spec: str, args: argparse.Namespace, data: dict[str, Rows]) -> dict
         opt.step()
         if step % args.eval_every == 0:
             history.append((step, score("val"), score("check")))
+            if history[-1][1] > max(h[1] for h in history[:-1]):
+                best_state = snapshot()
     best = max(history, key=lambda h: (h[1], -h[0]))  # best validation recall, earliest on ties
+    model.load_state_dict(best_state)  # the weights reported are the early-stopped ones
     check = data["check"]
     base_m, base_k = first_stage_recall(check, args.m), first_stage_recall(check, args.k)
     share = headroom_captured(best[2], base_m, base_k)
     return {"spec": spec, "features": names, "steps": best[0], "val_recall": 100 * best[1],
-            "check_base": 100 * base_m, "check_ceiling": 100 * base_k, "check_init": 100 * history[0][2],
+            "check_questions": len(check.q), "check_base": 100 * base_m, "check_ceiling": 100 * base_k, "check_init": 100 * history[0][2],
             "check_reranked": 100 * best[2], "lift": 100 * (best[2] - base_m),
             "headroom": None if share is None else 100 * share, "cpu_s": time.process_time() - start,
             "weights": dict(zip(names, [round(float(w), 3) for w in model.w.detach()])) if "mlp" not in options else {},
@@ -218,29 +232,47 @@ def fit_spec(spec: str, args: argparse.Namespace, data: dict[str, Rows]) -> dict
 
 
 def run_features(args: argparse.Namespace, by_user: dict[str, list[tuple]], fit_users: list[str],
-                 check_users: list[str]) -> None:
+                 check_users: list[str], fold: int | None = None) -> list[dict]:
     """The feature comparison: fitted users split into fit and validation (by user), check = unseen."""
     n_val = max(1, round(len(fit_users) * args.val_fraction))
     val_users, train_users = fit_users[:n_val], fit_users[n_val:]
     data = {name: stack([r for u in us for r in by_user.get(u, [])])
             for name, us in (("fit", train_users), ("val", val_users), ("check", check_users))}
-    log.info("# %s · %s · fit on %d training users (%d questions), early-stopped on %d of the fitted users (%d), "
+    log.info("# %s%s · %s · fit on %d training users (%d questions), early-stopped on %d of the fitted users (%d), "
              "scored on %d other training users (%d) · held-out users never read · load %.1f",
-             args.dataset, args.retriever, len(train_users), len(data["fit"].q), len(val_users), len(data["val"].q),
+             args.dataset, "" if fold is None else f" fold {fold}", args.retriever, len(train_users), len(data["fit"].q), len(val_users), len(data["val"].q),
              len(check_users), len(data["check"].q), os.getloadavg()[0])
     log.info("| features | steps | unseen R@%d first stage → init → fitted | lift | R@%d ceiling | headroom | CPU s |",
              args.m, args.k)
-    out = open(args.out, "a") if args.out else None
+    results = []
     for spec in args.features:
         r = fit_spec(spec, args, data)
-        r.update(dataset=args.dataset, retriever=args.retriever, load=os.getloadavg()[0])
+        r.update(dataset=args.dataset, retriever=args.retriever, fold=fold, base_feature=args.base_feature,
+                 load=os.getloadavg()[0])
         log.info("| %s | %d | %.1f → %.1f → %.1f | %+.1f | %.1f | %s | %.0f |", spec, r["steps"], r["check_base"],
                  r["check_init"], r["check_reranked"], r["lift"], r["check_ceiling"],
                  "—" if r["headroom"] is None else f"{r['headroom']:.0f}%", r["cpu_s"])
         log.info("    weights: w_fused %.2f %s", r["w_fused"], r["weights"])
-        if out:
-            out.write(json.dumps(r) + "\n")
-            out.flush()
+        if args.out:
+            with open(args.out, "a") as out:
+                out.write(json.dumps(r) + "\n")
+        results.append(r)
+    return results
+
+
+def pooled_table(args: argparse.Namespace, results: list[dict]) -> None:
+    """Per spec, every fold's unseen users pooled (question-weighted): each training user scored once."""
+    log.info("# pooled over %d folds: every training user unseen once", args.folds)
+    log.info("| features | unseen R@%d first stage → fitted | lift | R@%d ceiling | headroom | folds with a lift |",
+             args.m, args.k)
+    for spec in args.features:
+        rs = [r for r in results if r["spec"] == spec]
+        n = sum(r["check_questions"] for r in rs)
+        base, fitted, ceiling = (sum(r[key] * r["check_questions"] for r in rs) / n
+                                 for key in ("check_base", "check_reranked", "check_ceiling"))
+        share = headroom_captured(fitted, base, ceiling)
+        log.info("| %s | %.1f → %.1f | %+.1f | %.1f | %s | %d/%d |", spec, base, fitted, fitted - base, ceiling,
+                 "—" if share is None else f"{100 * share:.0f}%", sum(r["lift"] > 0 for r in rs), len(rs))
 
 
 def main() -> None:
@@ -260,6 +292,9 @@ def main() -> None:
     parser.add_argument("--features", nargs="+", default=None, metavar="SPEC",
                         help="compare feature sets: GROUP[+GROUP...][:mlp][:nores], groups of "
                              "scripts/reranker_features.py or 'all'")
+    parser.add_argument("--base-feature", default="fused", choices=ALL_FEATURES,
+                        help="--features: the feature in w·f (start --lexical-init): fused = RRF score (the "
+                             "library's lexical feature before eb20cc6), bm25_minmax = the one since")
     parser.add_argument("--val-fraction", type=float, default=0.2,
                         help="--features: share of the fitted users held back for early stopping")
     parser.add_argument("--max-steps", type=int, default=300, help="--features: most full-batch Adam steps")
@@ -268,6 +303,9 @@ def main() -> None:
     parser.add_argument("--mlp-hidden", type=int, default=32, help="--features: hidden width of the :mlp variant")
     parser.add_argument("--depth", type=int, default=50, help="--features: depth of each half's list for its ranks")
     parser.add_argument("--out", default=None, help="--features: append one JSON line per spec here")
+    parser.add_argument("--folds", type=int, default=0,
+                        help="--features: rotate the unseen users over this many folds of the training users "
+                             "(0: the single 70/30 split of --fit-fraction)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
@@ -285,7 +323,14 @@ def main() -> None:
     fit_users = set(users[:n_fit])
     by_user = collect(args, dataset, bank, scorer, split, users, with_features=args.features is not None)
     if args.features is not None:
-        run_features(args, by_user, users[:n_fit], users[n_fit:])
+        if args.folds:  # every training user is unseen once: check = one fold, fitted = the others
+            results = []
+            for fold in range(args.folds):
+                check = users[fold::args.folds]
+                results += run_features(args, by_user, [u for u in users if u not in set(check)], check, fold)
+            pooled_table(args, results)
+        else:
+            run_features(args, by_user, users[:n_fit], users[n_fit:])
         getattr(opened.retriever, "close", lambda: None)()
         return
     rows = {"fit": [r for u in users if u in fit_users for r in by_user.get(u, [])],

@@ -27,15 +27,16 @@ herself him himself his how i if in into is it its itself just know like me more
 nor not now of off on once only or other our ours out over own same she should so some such than
 that the their theirs them then there these they this those through to too under until up very was
 we were what when where which while who whom why will with would you your yours yourself
-""".split())
+""".split())  # noqa: SIM905 — one readable block of words
 
 FEATURE_GROUPS: dict[str, tuple[str, ...]] = {
-    # the fused score in [0, 1]: what the reranker has today (its `lexical` feature)
+    # the RRF fused score / its largest value, in [0, 1] (the reranker's `lexical` feature until eb20cc6)
     "fused": ("fused",),
     # each half's first-stage rank separately: reciprocal and log-scaled (absent from a list = worst)
     "ranks": ("dense_rr", "bm25_rr", "dense_logrank", "bm25_logrank"),
-    # BM25 score divided by the list's best (0 = not returned by BM25)
-    "bm25": ("bm25_scaled",),
+    # BM25 score divided by the list's best, and min-max scaled over the list (the library's `lexical`
+    # feature since eb20cc6); 0 = not returned by BM25
+    "bm25": ("bm25_scaled", "bm25_minmax"),
     # the cosine as its own weight (a learned temperature of the base) and its gap to the top cosine
     "cosine": ("cosine", "cosine_gap"),
     "length": ("log_tokens",),
@@ -76,6 +77,26 @@ def rank_features(ids: Sequence[str], ranking: Sequence[str], depth: int) -> tup
     position = {m: r for r, m in enumerate(ranking)}
     ranks = [min(position.get(m, depth), depth) for m in ids]
     return [1.0 / (r + 1) for r in ranks], [math.log(r + 1) / math.log(depth + 1) for r in ranks]
+
+
+def min_max_scores(ids: Sequence[str], ranking: Sequence[str], scores: Sequence[float]) -> list[float]:
+    """Each id's score min-max scaled over the list (all equal → 1), 0 if absent."""
+    if len(ranking) != len(scores):
+        raise ValueError(f"{len(ranking)} ids but {len(scores)} scores")
+    lo, hi = min(scores, default=0.0), max(scores, default=0.0)
+    by_id = dict(zip(ranking, scores))
+    return [0.0 if m not in by_id else (1.0 if hi == lo else (by_id[m] - lo) / (hi - lo)) for m in ids]
+
+
+def rrf_feature(ids: Sequence[str], rankings: Sequence[Sequence[str]], rrf_k: float) -> list[float]:
+    """Reciprocal-rank fusion Σ 1/(rrf_k + rank) (ranks from 1) over `rankings`, divided by its
+    largest possible value len(rankings)/(rrf_k + 1): 1 = first in every list."""
+    fused: dict[str, float] = {}
+    for ranking in rankings:
+        for rank, m in enumerate(ranking, start=1):
+            fused[m] = fused.get(m, 0.0) + 1.0 / (rrf_k + rank)
+    top = len(rankings) / (rrf_k + 1.0)
+    return [fused.get(m, 0.0) / top for m in ids]
 
 
 def scaled_scores(ids: Sequence[str], ranking: Sequence[str], scores: Sequence[float]) -> list[float]:
@@ -121,6 +142,7 @@ def candidate_features(query: str, ids: Sequence[str], texts: Sequence[str], pla
         "fused": [float(f) for f in fused],
         "dense_rr": dense_rr, "bm25_rr": bm25_rr, "dense_logrank": dense_log, "bm25_logrank": bm25_log,
         "bm25_scaled": scaled_scores(ids, bm25[0], bm25[1]),
+        "bm25_minmax": min_max_scores(ids, bm25[0], bm25[1]),
         "cosine": [float(c) for c in cosines],
         "cosine_gap": [float(c) - top_cos for c in cosines],
         "log_tokens": [math.log1p(len(t.split())) for t in texts],

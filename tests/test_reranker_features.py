@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from reranker_features import (  # noqa: E402
+from reranker_features import (
     FEATURE_GROUPS,
     TurnPlace,
     candidate_features,
@@ -17,7 +17,9 @@ from reranker_features import (  # noqa: E402
     coverage,
     feature_names,
     jaccard,
+    min_max_scores,
     rank_features,
+    rrf_feature,
     scaled_scores,
     speaker_share,
 )
@@ -60,6 +62,7 @@ def test_candidate_features_cover_every_group_in_candidate_order() -> None:
         places, fused=[1.0, 0.5], cosines=[0.9, 0.4], dense=(["m2", "m1"], [0.9, 0.4]),
         bm25=(["m1"], [3.0]), depth=50, majority_speaker="Speaker 2")
     assert set(feats) == set(feature_names(["all"]))
+    assert feats["bm25_minmax"] == pytest.approx([1.0, 0.0])
     assert feats["dense_rr"] == pytest.approx([0.5, 1.0])
     assert feats["bm25_rr"] == pytest.approx([1.0, 1 / 51])
     assert feats["bm25_scaled"] == pytest.approx([1.0, 0.0])
@@ -75,7 +78,14 @@ def test_candidate_features_cover_every_group_in_candidate_order() -> None:
 
 
 def test_feature_names_expand_groups_once_and_refuse_unknown_ones() -> None:
-    assert feature_names(["fused", "bm25", "fused"]) == ["fused", "bm25_scaled"]
+    assert feature_names(["fused", "bm25", "fused"]) == ["fused", "bm25_scaled", "bm25_minmax"]
     assert feature_names(["all"]) == [n for g in FEATURE_GROUPS.values() for n in g]
     with pytest.raises(ValueError, match="unknown feature group"):
         feature_names(["colour"])
+
+
+def test_min_max_and_rrf_features() -> None:
+    assert min_max_scores(["b", "x", "a", "c"], ["a", "b", "c"], [4.0, 2.0, 1.0]) == pytest.approx([1 / 3, 0.0, 1.0, 0.0])
+    assert min_max_scores(["a"], ["a"], [2.0]) == [1.0]
+    # first in both lists = 1; second in one list only = (1/12) / (2/11)
+    assert rrf_feature(["a", "b", "z"], [["a", "b"], ["a"]], rrf_k=10) == pytest.approx([1.0, 11 / 24, 0.0])
