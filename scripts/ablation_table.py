@@ -1,6 +1,6 @@
 """Markdown tables from `scripts/reranker_ablations.py` JSON lines, so no figure is typed by hand.
 
-    python scripts/ablation_table.py /work/notes/s3/b2/msc_ablations.jsonl            # prequential rows
+    python scripts/ablation_table.py docs/results/s3/msc_ablations.jsonl            # prequential rows
     python scripts/ablation_table.py runs.jsonl --heldout                               # per-category held-out
 
 Prequential rows give recall@5 of the retriever and of the reranker on the training stream, the
