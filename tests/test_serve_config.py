@@ -119,3 +119,36 @@ def test_database_settings_reach_a_postgresql_bank_and_only_it() -> None:
     assert pg.index_options == {"ef_search": 200, "exact_limit": 5}
     folder = load_config(None, {"bank": "b", "index_precision": "bfloat16"}, environ={})
     assert folder.index_options == {"precision": "bfloat16"}
+
+
+def test_serve_retriever_names_come_from_the_one_mapping() -> None:
+    """`retriever:`'s type, the server's mapping and eval's `NAME:DENSE` prefixes agree (one source)."""
+    import typing
+
+    from rmm.eval.benchmark_bank import OVER_DENSE as eval_names
+    from rmm.memory.hybrid import OVER_DENSE
+    from rmm.serve.config import RETRIEVER_FUSIONS, ServeConfig
+
+    assert eval_names is OVER_DENSE
+    assert RETRIEVER_FUSIONS == {"dense": None, **OVER_DENSE}
+    literal = typing.get_type_hints(ServeConfig)["retriever"]
+    assert set(typing.get_args(literal)) == set(RETRIEVER_FUSIONS)
+    assert load_config(None, {"bank": "b", "retriever": "bm25"}, environ={}).first_stage_fusion == "lexical"
+
+
+def test_rmm_serve_retriever_flag_names_the_known_retrievers_and_help_stays_light() -> None:
+    """A bad --retriever names every known one; building the parser (`rmm --help`) loads no torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\n"
+            "from rmm.cli import build_parser\n"
+            "err = io.StringIO()\n"
+            "with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):\n"
+            "    build_parser().parse_args(['serve', '--help'])\n"
+            "assert 'torch' not in sys.modules, 'torch imported by the parser'\n"
+            "with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):\n"
+            "    build_parser().parse_args(['serve', '--retriever', 'sparse'])\n"
+            "print(err.getvalue())\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True)
+    assert "unknown retriever 'sparse'; use one of dense, hybrid, bm25" in out.stdout

@@ -26,6 +26,16 @@ __all__ = ["register", "run"]
 log = logging.getLogger("rmm.serve")
 
 
+def serve_retriever(text: str) -> str:
+    """A `retriever:` name the server knows (`rmm.serve.config.RETRIEVER_FUSIONS`), checked at parse
+    time; the names are imported then, not at `rmm --help` (the config module loads torch)."""
+    from rmm.serve.config import RETRIEVER_FUSIONS
+
+    if text not in RETRIEVER_FUSIONS:
+        raise argparse.ArgumentTypeError(f"unknown retriever {text!r}; use one of {', '.join(RETRIEVER_FUSIONS)}")
+    return text
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to `rmm`'s parser."""
     p = subparsers.add_parser("serve", help="batched retrieval server: memories, feedback → online reranker, auth",
@@ -46,10 +56,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--key-file", help="file of 'KEY TENANT' lines (API keys)")
     p.add_argument("--dev-key", action="store_true",
                    help="when no API key is configured, generate one for tenant 'default' and log it")
-    p.add_argument("--retriever", choices=("dense", "hybrid", "bm25"),
+    p.add_argument("--retriever", type=serve_retriever,
                    help="first stage: dense (default), hybrid = BM25 + dense fused by reciprocal rank, or bm25 = "
-                        "BM25's ranking alone over the bank's memories; the fused (or BM25) score is given to the "
-                        "reranker as its lexical feature")
+                        "BM25's ranking alone over the bank's memories; with hybrid and bm25 the reranker gets a "
+                        "lexical feature: BM25's score min-max scaled to [0, 1] over BM25's top 50 (top k when k is larger)")
     p.add_argument("--store", type=store_url,
                    help="postgresql://user@host/db[?schema=NAME]: memories, search, pending selections, feedback, "
                         "reflection jobs and reranker versions in PostgreSQL + pgvector, shared by every replica "

@@ -25,7 +25,7 @@ from rmm.encoders.passage_cache import PassageCache
 from rmm.errors import RmmError
 from rmm.memory.bank import MemoryBank
 from rmm.memory.bm25 import BM25Retriever
-from rmm.memory.hybrid import Fusion, HybridRetriever
+from rmm.memory.hybrid import OVER_DENSE, Fusion, HybridRetriever
 from rmm.memory.storage import MemoryStorage, open_store
 from rmm.memory.store import MemoryStore
 from rmm.paths import cache_dir
@@ -42,8 +42,6 @@ STATIC_GRANULARITIES = ("turn", "session")  # topic memories come from prospecti
 LEXICAL_RETRIEVERS = ("bm25",)
 HYBRID = "hybrid"
 DEFAULT_HYBRID_DENSE = "minilm"
-# name prefix → how the dense bank named after the colon is searched (rmm.memory.hybrid fusions)
-OVER_DENSE: dict[str, Fusion] = {HYBRID: "rrf", "bm25": "lexical"}
 
 
 @dataclass(frozen=True)

@@ -51,12 +51,15 @@ from rmm.memory.bm25 import BM25Retriever
 from rmm.memory.storage import MemoryStorage
 from rmm.types import Candidates, Memory
 
-__all__ = ["FUSIONS", "LEXICAL_DEFINITION", "HybridRetriever", "convex_fuse", "rrf_fuse"]
+__all__ = ["FUSIONS", "LEXICAL_DEFINITION", "OVER_DENSE", "HybridRetriever", "convex_fuse", "rrf_fuse"]
 
 log = logging.getLogger(__name__)
 
 Fusion = Literal["rrf", "convex", "lexical"]
 FUSIONS: tuple[str, ...] = ("rrf", "convex", "lexical")  # lexical: BM25's ranking alone (module docstring)
+# A first-stage name → the fusion it runs over a dense bank (`rmm eval --retriever hybrid:DENSE`,
+# `bm25:DENSE`, `rmm serve`'s `retriever:`): the one place these names are mapped.
+OVER_DENSE: dict[str, Fusion] = {"hybrid": "rrf", "bm25": "lexical"}
 # What `Candidates.lexical` means, recorded with every reranker trained on it (rmm.policy.checkpoint).
 LEXICAL_DEFINITION = "bm25-minmax-depth"
 

@@ -16,14 +16,12 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from rmm import config as _config
 from rmm.errors import ConfigError
+from rmm.memory.hybrid import OVER_DENSE, Fusion
 from rmm.policy.learner import LearnerConfig, recipe_config
-
-if TYPE_CHECKING:
-    from rmm.memory.hybrid import Fusion
 
 __all__ = [
     "DEFAULT_KEYS_ENV",
@@ -40,7 +38,7 @@ DEFAULT_KEYS_ENV = "RMM_API_KEYS"
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _MIN_KEY_LENGTH = 8
 # `retriever:` → the rmm.memory.hybrid fusion over the bank (None: the bank's own dense search)
-RETRIEVER_FUSIONS: dict[str, Fusion | None] = {"dense": None, "hybrid": "rrf", "bm25": "lexical"}
+RETRIEVER_FUSIONS: dict[str, Fusion | None] = {"dense": None, **OVER_DENSE}
 
 
 @dataclass
@@ -199,8 +197,6 @@ class ServeConfig:
             raise ConfigError(f"tau must be > 0, got {self.tau}")
         if self.scope not in ("topk", "bank"):
             raise ConfigError(f"scope must be 'topk' or 'bank', got {self.scope!r}")
-        if self.retriever not in RETRIEVER_FUSIONS:
-            raise ConfigError(f"retriever must be 'dense', 'hybrid' or 'bm25', got {self.retriever!r}")
         if self.reranker_per not in ("bank", "tenant", "user"):
             raise ConfigError(f"reranker_per must be 'bank', 'tenant' or 'user', got {self.reranker_per!r}")
         if self.selection_ttl_s <= 0:
