@@ -79,19 +79,20 @@ def test_bm25_over_the_bank_ranks_exactly_as_plain_bm25(bank: MemoryBank) -> Non
 
 
 def test_candidates_carry_the_query_vector_and_bm25_scaled_to_one(bank: MemoryBank) -> None:  # noqa: F811
+    query = "Pixel plays piano music on the boat in the Alps"  # four BM25 matches, one more than the depth
     over = HybridRetriever(bank, fusion="lexical", depth=3)
-    (c,) = over.search(["Pixel sleeps to music"], "u", 2)
-    assert torch.allclose(c.query_embedding, ConceptEncoder().encode_queries(["Pixel sleeps to music"])[0])
-    # The feature is BM25's score min-max scaled over BM25's list at the search depth (3, not k).
-    (deep,) = BM25Retriever(bank.store).search(["Pixel sleeps to music"], "u", 3)
-    lo, hi = float(deep.retriever_scores.min()), float(deep.retriever_scores.max())
-    assert len(deep) == 3 and hi > lo and float(c.lexical[-1]) > 0.0
-    assert torch.allclose(c.lexical, (c.retriever_scores - lo) / (hi - lo))
-    assert float(c.lexical[0]) == 1.0 and torch.all(c.lexical[:-1] >= c.lexical[1:])
-    (first,) = over.search(["Pixel sleeps to music"], "u", 1)  # the scale does not move with k
-    assert float(first.lexical[0]) == 1.0 and first.memory_ids == c.memory_ids[:1]
+    (c,) = over.search([query], "u", 4)  # k above the depth
+    assert torch.allclose(c.query_embedding, ConceptEncoder().encode_queries([query])[0])
+    # The feature is BM25's score min-max scaled over BM25's list at the depth (3, not k); below it, 0.
+    (deep,) = BM25Retriever(bank.store).search([query], "u", 4)
+    assert c.memory_ids == deep.memory_ids and len(deep) == 4
+    lo, hi = float(deep.retriever_scores[:3].min()), float(deep.retriever_scores[:3].max())
+    assert torch.allclose(c.lexical, ((c.retriever_scores - lo) / (hi - lo)).clamp(min=0.0))
+    assert float(c.lexical[0]) == 1.0 and 0.0 < float(c.lexical[1]) < 1.0 and c.lexical[2:].tolist() == [0.0, 0.0]
+    (first,) = over.search([query], "u", 2)  # the scale does not move with k
+    assert first.memory_ids == c.memory_ids[:2] and torch.equal(first.lexical, c.lexical[:2])
     # The learned-query search (scope bank) ranks by BM25 too; without the text it is the dense search.
-    (again,) = over.search_embeddings(c.query_embedding[None], "u", 2, queries=[c.query])
+    (again,) = over.search_embeddings(c.query_embedding[None], "u", 4, queries=[c.query])
     assert again.memory_ids == c.memory_ids and torch.equal(again.lexical, c.lexical)
     (dense,) = over.search_embeddings(c.query_embedding[None], "u", 2)
     assert dense.memory_ids == bank.search([c.query], "u", 2)[0].memory_ids and dense.lexical is None

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rmm.errors import RmmError
+from rmm.errors import DimensionMismatchError, RmmError
 from rmm.eval.benchmark_bank import hybrid_dense
 from rmm.memory.bank import MemoryBank
 from rmm.memory.hybrid import HybridRetriever, convex_fuse, rrf_fuse
@@ -105,29 +105,67 @@ def test_convex_hybrid_orders_by_mixed_scores(bank: MemoryBank) -> None:
 
 def test_the_lexical_feature_is_bm25s_score_min_max_scaled_over_its_depth_list(bank: MemoryBank) -> None:
     """Not the fused score (the reranker adds the dense evidence itself, as q·m): the same number for
-    every fusion and every K, 1 for BM25's best, 0 for its last at the depth and for a memory only
-    the dense half found."""
-    query = "Pixel the feline plays piano music on the boat"
-    (bm25,) = HybridRetriever(bank).lexical.search([query], "u", 3)
-    assert bm25.memory_ids[:1] == ["pixel"] and len(bm25) == 3
-    lo, hi = float(bm25.retriever_scores.min()), float(bm25.retriever_scores.max())
-    expected = {m: (float(s) - lo) / (hi - lo) for m, s in zip(bm25.memory_ids, bm25.retriever_scores)}
-    assert expected["pixel"] == 1.0 and expected[bm25.memory_ids[-1]] == 0.0
+    every fusion and every K — K below or above the depth — 1 for BM25's best, 0 for its last at the
+    depth, for what BM25 ranks below the depth and for a memory only the dense half found."""
+    query = "Pixel the feline plays piano music on the boat in the Alps"
+    (bm25,) = HybridRetriever(bank).lexical.search([query], "u", 7)
+    assert bm25.memory_ids[:1] == ["pixel"] and len(bm25) == 4  # more BM25 matches than the depth (3)
+    top = bm25.retriever_scores[:3]
+    lo, hi = float(top.min()), float(top.max())
+    expected = {m: (float(s) - lo) / (hi - lo) for m, s in zip(bm25.memory_ids[:3], top)}
+    assert expected["pixel"] == 1.0 and expected[bm25.memory_ids[2]] == 0.0 and 0.0 < expected["piano"] < 1.0
     seen: dict[str, float] = {}
     for fusion in ("rrf", "convex", "lexical"):
-        for k in (2, 5, 7):
+        for k in (2, 5, 7):  # below and above the depth
             (c,) = HybridRetriever(bank, fusion=fusion, depth=3).search([query], "u", k)
             assert c.lexical is not None and c.lexical.dtype == torch.float32 and len(c.lexical) == len(c)
             for m, f in zip(c.memory_ids, c.lexical.tolist()):
                 assert f == pytest.approx(expected.get(m, 0.0))
                 assert seen.setdefault(m, f) == pytest.approx(f)  # whatever the fusion and K
     assert seen["kitty"] == 0.0  # dense-only ("feline" is no word of its text): no lexical evidence
+    assert seen[bm25.memory_ids[3]] == 0.0  # BM25's fourth, below the depth: found only at K > 3
     # The fused score does count the dense half's find; the feature leaves that to q·m.
     (c,) = HybridRetriever(bank, depth=3).search([query], "u", 7)
     assert float(c.retriever_scores[c.memory_ids.index("kitty")]) > 0.0
     # A one-memory BM25 list is that memory's best: 1, not a division by zero.
     (one,) = HybridRetriever(bank, depth=1).search(["Pixel"], "u", 2)
     assert dict(zip(one.memory_ids, one.lexical.tolist()))["pixel"] == 1.0
+
+
+def test_a_memorys_feature_does_not_move_with_k_or_its_batch_mates(bank: MemoryBank) -> None:
+    """Serving searches a user's batch at the batch's largest k: one request's feature must not
+    depend on another's k (nor `rmm eval --depth` beyond the reranker's training depth)."""
+    query = "Pixel the feline plays piano music on the boat in the Alps"
+    for fusion in ("rrf", "lexical"):
+        hybrid = HybridRetriever(bank, fusion=fusion, depth=3)
+        (shallow,) = hybrid.search([query], "u", 2)
+        (deep,) = hybrid.search([query], "u", 6)
+        (batched, _) = hybrid.search([query, "sailing the boat"], "u", 6)
+        assert deep.memory_ids[:2] == shallow.memory_ids
+        assert torch.equal(deep.lexical[:2], shallow.lexical) and torch.equal(batched.lexical, deep.lexical)
+        assert 0.0 < float(shallow.lexical[1]) < 1.0  # piano: between BM25's best and its third
+
+
+def test_lexical_fusion_checks_its_query_vectors(bank: MemoryBank) -> None:
+    """`fusion="lexical"` never hands the vectors to the dense search, so it refuses them as that search does."""
+    over = HybridRetriever(bank, fusion="lexical", depth=3)
+    one = ConceptEncoder().encode_queries(["Pixel"])
+    with pytest.raises(ValueError, match="2 query texts for 1 query embeddings"):
+        over.search_embeddings(one, "u", 2, queries=["Pixel", "piano"])
+    with pytest.raises(DimensionMismatchError):
+        over.search_embeddings(torch.ones(1, 5), "u", 2, queries=["Pixel"])
+    for fusion in ("rrf", "lexical"):  # the same refusals as the fused path's
+        with pytest.raises(DimensionMismatchError):
+            HybridRetriever(bank, fusion=fusion).search_embeddings(torch.ones(5), "u", 2, queries=["Pixel"])
+    (c,) = over.search_embeddings(one[0], "u", 2, queries=["Pixel"])  # one 1-d vector for one query is fine
+    assert c.memory_ids == ["pixel"]
+
+
+def test_lexical_search_encodes_through_the_bank(bank: MemoryBank, monkeypatch) -> None:
+    """A query encoder that returns the wrong shape is refused by the bank's own check, not carried."""
+    monkeypatch.setattr(ConceptEncoder, "encode_queries", lambda self, texts: torch.ones(len(texts), 5))
+    with pytest.raises(DimensionMismatchError, match="returned shape"):
+        HybridRetriever(bank, fusion="lexical").search(["Pixel"], "u", 2)
 
 
 def test_bad_settings_and_names(bank: MemoryBank) -> None:

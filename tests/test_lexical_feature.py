@@ -237,7 +237,7 @@ def test_hybrid_candidates_carry_bm25s_score_scaled_over_its_depth_list(hybrid) 
     (c,) = retriever.search([q.text], q.user_id, 6)
     assert c.lexical is not None and c.lexical.shape == (6,)
     (bm25,) = retriever.lexical.search([q.text], q.user_id, retriever.depth)
-    scaled = dict(zip(bm25.memory_ids, HybridRetriever.lexical_feature(bm25, bm25.memory_ids).tolist()))
+    scaled = dict(zip(bm25.memory_ids, retriever.lexical_feature(bm25, bm25.memory_ids).tolist()))
     assert c.lexical.tolist() == [scaled.get(m, 0.0) for m in c.memory_ids]
     assert float(c.lexical.max()) <= 1.0 and c.memory_ids[0] == "u0:D0:0"  # found by BM25, fused first
     assert float(c.lexical[0]) == 1.0  # BM25's best: only the gold turn holds the keyword

@@ -21,7 +21,8 @@ so both halves always see the same memories.
 Every candidate also carries a lexical feature in [0, 1] for the reranker's learned lexical term
 (`Candidates.lexical`, `rmm.policy.reranker`): BM25's own score min-max scaled over BM25's list at
 the search depth (1 = BM25's best, 0 for its last and for a candidate BM25 did not return), the same
-for every fusion (`LEXICAL_DEFINITION`). Not the fused score: the reranker already adds the dense
+for every fusion (`LEXICAL_DEFINITION`); a memory BM25 ranks below the depth (searched when K
+exceeds it) gets 0 too. Not the fused score: the reranker already adds the dense
 evidence as q·m, so a fused score counts the dense rank twice, and RRF's ranks compress BM25's
 evidence into a narrow band. On LoCoMo's training conversations, with w0 = 0.3, the fused score
 (scaled by its largest value or over the depth list) left the reranker ordering ~20-turn session
@@ -46,6 +47,7 @@ from typing import Literal
 
 import torch
 
+from rmm.errors import DimensionMismatchError
 from rmm.memory.bank import EncoderLike, MemoryBank
 from rmm.memory.bm25 import BM25Retriever
 from rmm.memory.storage import MemoryStorage
@@ -89,7 +91,11 @@ def convex_fuse(dense: tuple[Sequence[str], Sequence[float]], lexical: tuple[Seq
     """alpha · normalised dense + (1 − alpha) · normalised lexical; a missing score counts as 0."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    d, b = _min_max(*dense), _min_max(*lexical)
+    return _convex_mix(_min_max(*dense), _min_max(*lexical), alpha)
+
+
+def _convex_mix(d: dict[str, float], b: dict[str, float], alpha: float) -> dict[str, float]:
+    """alpha · d + (1 − alpha) · b over already-normalised scores; a missing one counts as 0."""
     return {i: alpha * d.get(i, 0.0) + (1.0 - alpha) * b.get(i, 0.0) for i in {**d, **b}}
 
 
@@ -146,13 +152,17 @@ class HybridRetriever:
 
     def search_embeddings(self, query_embs: torch.Tensor, user: str, k: int,
                           queries: list[str] | None = None) -> list[Candidates]:
-        """The dense half searched with given vectors (e.g. the reranker's learned `q @ A`), fused
-        with BM25 over `queries`' text as `search` does; dense only when no text is given."""
+        """`search` with given query vectors (e.g. the reranker's learned `q @ A`): a fusion searches
+        its dense half with them; `fusion="lexical"` ranks by BM25 over `queries`' text and only
+        carries them as each candidate's query vector. The dense search alone when no text is given."""
         MemoryBank._check_k(k)
         if queries is None:
             return self.bank.search_embeddings(query_embs, user, k)
         if self.fusion == "lexical":
-            return self._fused(self._no_dense(query_embs, list(queries), user), list(queries), user, k)
+            queries = list(queries)
+            vectors = self._query_vectors(query_embs, len(queries))
+            self.bank.store.require_user(user)
+            return self._fused(self._no_dense(vectors, queries, user), queries, user, k)
         dense = self.bank.search_embeddings(query_embs, user, max(k, self.depth), queries=queries)
         return self._fused(dense, list(queries), user, k)
 
@@ -168,33 +178,53 @@ class HybridRetriever:
             return []
         if self.fusion == "lexical":  # the dense half is not searched: only the query vectors are needed
             self.bank.store.require_user(user)
-            vectors = torch.as_tensor(self.bank.encoder.encode_queries(queries)).detach().float().cpu()
+            vectors = self.bank._encode(queries, queries=True)  # the bank's shape check included
             return self._fused(self._no_dense(vectors, queries, user), queries, user, k)
         return self._fused(self.bank.search(queries, user, max(k, self.depth)), queries, user, k)
 
-    def _no_dense(self, query_embs: torch.Tensor, queries: list[str], user: str) -> list[Candidates]:
+    def _query_vectors(self, query_embs: torch.Tensor, n: int) -> torch.Tensor:
+        """Given query vectors as [n, dim] on the CPU, refused as the bank's `search_embeddings` refuses
+        them (the lexical path never hands them to the bank)."""
+        q = torch.as_tensor(query_embs).detach().float()
+        if q.ndim == 1:
+            q = q.unsqueeze(0)
+        if q.ndim != 2 or q.shape[1] != self.bank.dim:
+            raise DimensionMismatchError(f"query embeddings of shape {tuple(q.shape)} do not match the bank's "
+                                         f"dim {self.bank.dim}")
+        if q.shape[0] != n:
+            raise ValueError(f"{n} query texts for {q.shape[0]} query embeddings")
+        return q.cpu()
+
+    def _no_dense(self, q: torch.Tensor, queries: list[str], user: str) -> list[Candidates]:
         """Empty dense lists carrying only each query's vector (what `fusion="lexical"` fuses with)."""
-        q = torch.as_tensor(query_embs).detach().float().cpu().reshape(len(queries), -1)
         empty = torch.zeros((0, self.bank.dim), dtype=torch.float32)
         return [Candidates(query=text, memory_ids=[], retriever_scores=torch.zeros(0), embeddings=empty,
                            query_embedding=q[i].clone(), user_id=user) for i, text in enumerate(queries)]
 
     def _fused(self, dense: list[Candidates], queries: list[str], user: str, k: int) -> list[Candidates]:
-        """Each query's dense list (searched `max(k, depth)` deep) fused with BM25's at the same depth."""
+        """Each query's dense list (searched `max(k, depth)` deep, or empty for `fusion="lexical"`)
+        fused with BM25's at the same depth."""
         lexical = self.lexical.search(queries, user, max(k, self.depth))
         return [self._fuse(d, b, k, user) for d, b in zip(dense, lexical)]
 
-    def fused_scores(self, dense: Candidates, lexical: Candidates) -> dict[str, float]:
-        """id → fused score over the union of both lists (the fusion rule alone, for tests and tuning)."""
+    def fused_scores(self, dense: Candidates, lexical: Candidates,
+                     scaled: dict[str, float] | None = None) -> dict[str, float]:
+        """id → fused score for every id of either list (the fusion rule alone, for tests and tuning);
+        `scaled` is `scaled_bm25(lexical)` when the caller already has it. With `fusion="lexical"` the
+        dense list is empty and the score is the scaled BM25 score (0 below the depth): ties broken
+        by BM25's rank in `_fuse` keep BM25's order exactly."""
         if self.fusion == "rrf":
             return rrf_fuse([dense.memory_ids, lexical.memory_ids], self.rrf_k)
-        if self.fusion == "lexical":  # the convex rule at α = 0 over BM25's list: order-preserving
-            return _min_max(lexical.memory_ids, lexical.retriever_scores.tolist())
-        return convex_fuse((dense.memory_ids, dense.retriever_scores.tolist()),
-                           (lexical.memory_ids, lexical.retriever_scores.tolist()), self.alpha)
+        scaled = self.scaled_bm25(lexical) if scaled is None else scaled
+        if self.fusion == "lexical":
+            return {m: scaled.get(m, 0.0) for m in lexical.memory_ids}
+        # convex: each list scaled over all it returned (one scaling when BM25 was searched `depth` deep)
+        b = scaled if len(lexical) <= self.depth else _min_max(lexical.memory_ids, lexical.retriever_scores.tolist())
+        return _convex_mix(_min_max(dense.memory_ids, dense.retriever_scores.tolist()), b, self.alpha)
 
     def _fuse(self, dense: Candidates, lexical: Candidates, k: int, user: str) -> Candidates:
-        fused = self.fused_scores(dense, lexical)
+        scaled = self.scaled_bm25(lexical)  # once per query: the feature, and the fusion's lexical half
+        fused = self.fused_scores(dense, lexical, scaled)
         dense_rank = {m: i for i, m in enumerate(dense.memory_ids)}
         lexical_rank = {m: i for i, m in enumerate(lexical.memory_ids)}
         # Ties (equal fused score) go to the better dense rank, then the better lexical rank: deterministic.
@@ -214,14 +244,21 @@ class HybridRetriever:
             embeddings=embeddings,
             query_embedding=dense.query_embedding,
             user_id=user,
-            lexical=self.lexical_feature(lexical, order),
+            lexical=self.lexical_feature(lexical, order, scaled),
         )
 
-    @staticmethod
-    def lexical_feature(lexical: Candidates, order: Sequence[str]) -> torch.Tensor:
-        """`LEXICAL_DEFINITION` for the memories of `order`: BM25's score min-max scaled over BM25's
-        own (depth-deep) list `lexical`, 0 for a memory BM25 did not return (module docstring)."""
-        scaled = _min_max(lexical.memory_ids, lexical.retriever_scores.tolist())
+    def scaled_bm25(self, lexical: Candidates) -> dict[str, float]:
+        """BM25's score min-max scaled over its top `depth` of `lexical` (BM25's list, searched at least
+        that deep); a memory below the depth is left out (its feature is 0). A fixed depth, not the
+        search's k, sets the scale: the same memory gets the same number at any k, in any batch."""
+        top = self.depth
+        return _min_max(lexical.memory_ids[:top], lexical.retriever_scores[:top].tolist())
+
+    def lexical_feature(self, lexical: Candidates, order: Sequence[str],
+                        scaled: dict[str, float] | None = None) -> torch.Tensor:
+        """`LEXICAL_DEFINITION` for the memories of `order`: `scaled_bm25(lexical)`, 0 for a memory
+        BM25 did not return within the depth (module docstring)."""
+        scaled = self.scaled_bm25(lexical) if scaled is None else scaled
         return torch.tensor([scaled.get(m, 0.0) for m in order], dtype=torch.float32)
 
     def _embeddings(self, dense: Candidates, order: list[str], user: str) -> torch.Tensor:
