@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_SCHEMA",
+    "DatabasePoolExhaustedError",
     "DatabaseSetupError",
     "DatabaseUnavailableError",
     "PostgresLocation",
@@ -40,6 +41,7 @@ __all__ = [
     "migrate",
     "open_pool",
     "parse_location",
+    "pool_exhausted",
     "schema_name",
     "with_schema",
 ]
@@ -57,6 +59,11 @@ _INSTALL_HINT = "install the PostgreSQL extras: pip install 'rmm[postgres]'"
 
 class DatabaseUnavailableError(RmmError, ConnectionError):
     """The PostgreSQL server cannot be reached (down, wrong host, refused login); nothing was written."""
+
+
+class DatabasePoolExhaustedError(DatabaseUnavailableError):
+    """Every connection of this process's pool stayed lent out for the pool timeout: the server is
+    there, this process asked for more connections at once than `pool_max` allows."""
 
 
 class DatabaseSetupError(RmmError):
@@ -136,13 +143,21 @@ def database_errors(where: str) -> Iterator[None]:
 
     try:
         yield
-    except PoolTimeout as exc:
-        raise DatabaseUnavailableError(f"PostgreSQL at {where} is unreachable (no connection within the pool timeout): "
-                                       f"{_one_line(exc)}") from exc
+    except PoolTimeout as exc:  # a full pool is told apart by its owner (`pool_exhausted`) before this
+        raise DatabaseUnavailableError(f"PostgreSQL at {where} is unreachable (no new connection could be made "
+                                       f"within the pool timeout): {_one_line(exc)}") from exc
     except psycopg.OperationalError as exc:
         if not _lost_connection(exc):
             raise  # a deadlock, a cancelled query: the server is there and said why
         raise DatabaseUnavailableError(f"PostgreSQL at {where} is unreachable: {_one_line(exc)}") from exc
+
+
+def pool_exhausted(where: str, pool_max: int, exc: BaseException) -> DatabasePoolExhaustedError:
+    """The error for a pool timeout while all `pool_max` connections were lent out (not a lost server)."""
+    return DatabasePoolExhaustedError(
+        f"no free PostgreSQL connection for {where}: all {pool_max} of this process's pooled connections stayed in "
+        f"use for the pool timeout ({_one_line(exc)}); raise `database: {{pool_max: N}}` in the serve config "
+        "(within the server's max_connections) or lower the load")
 
 
 def _lost_connection(exc: BaseException) -> bool:

@@ -23,6 +23,7 @@ from rmm.memory.pg_connect import (
     migrate,
     open_pool,
     parse_location,
+    pool_exhausted,
 )
 
 if TYPE_CHECKING:
@@ -32,7 +33,10 @@ __all__ = ["DEFAULT_POOL_MAX", "PgDatabase"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POOL_MAX = 8  # connections per process: memory search and writes, selections, jobs, versions
+# Connections per process. One pool serves memory search and writes, selections, feedback claims
+# (the feedback route is sync: up to 40 threadpool threads), reflection jobs and their lease
+# renewals, sweeps, version reloads and /metrics — what two pools (8 + 6) used to.
+DEFAULT_POOL_MAX = 14
 
 
 class PgDatabase:
@@ -48,6 +52,8 @@ class PgDatabase:
         self.pool = open_pool(self.where, self.options, min_size=pool_min, max_size=pool_max, timeout_s=pool_timeout_s)
         self._closed = False
         self._close_lock = threading.Lock()
+        self._lent = 0  # pooled connections out right now (`_connection`)
+        self._lent_lock = threading.Lock()
 
     @property
     def location(self) -> str:
@@ -60,9 +66,29 @@ class PgDatabase:
         `binary`: results in PostgreSQL's binary format (vectors read without text parsing)."""
         if self._closed:
             raise RmmError(f"database handle {self.location} is closed")
-        with (database_errors(self.location), self.pool.connection() as conn, conn.transaction(),
+        with (database_errors(self.location), self._connection() as conn, conn.transaction(),
               conn.cursor(binary=binary) as cur):
             yield cur
+
+    @contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection, counted while lent out: a pool timeout with every connection out is
+        this process's pool running short (`pool_max`), not the server going away."""
+        from psycopg_pool import PoolTimeout
+
+        try:
+            with self.pool.connection() as conn:
+                with self._lent_lock:
+                    self._lent += 1
+                try:
+                    yield conn
+                finally:
+                    with self._lent_lock:
+                        self._lent -= 1
+        except PoolTimeout as exc:  # only this getconn's: a nested tx() has mapped its own already
+            if self._lent >= self.pool.max_size:
+                raise pool_exhausted(self.location, self.pool.max_size, exc) from exc
+            raise
 
     def dedicated(self, **params: Any) -> psycopg.Connection[Any]:
         """A new autocommit connection of its own (search_path set to the bank schema), e.g. to hold

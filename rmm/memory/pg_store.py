@@ -15,7 +15,8 @@ the database, filtered by user, so no process keeps a vector index of its own:
 Connections come from the bank schema's one psycopg pool (`pg_database.PgDatabase`, exposed as
 `.database` so the server's own tables share the migration and the pool); each is checked before
 use, so a restarted server is reconnected to transparently; a lost server surfaces as
-`DatabaseUnavailableError`.
+`DatabaseUnavailableError`, a pool whose connections all stayed busy as its subclass
+`DatabasePoolExhaustedError` (naming `pool_max`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
 
 from rmm.errors import RmmError, UnknownMemoryError, UnknownUserError
+from rmm.memory.pg_connect import DatabasePoolExhaustedError, DatabaseUnavailableError
 from rmm.memory.store import DuplicateMemoryError
 from rmm.serve.batcher import BatcherClosedError
 from rmm.serve.errors import (
@@ -52,6 +53,9 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
     (DuplicateMemoryError, 409, "duplicate_memory"),
     (BadRequestError, 422, "bad_request"),
     (BatcherClosedError, 503, "shutting_down"),
+    # the database, not the request: a client may retry (before RmmError's 422 below catches them)
+    (DatabasePoolExhaustedError, 503, "database_busy"),
+    (DatabaseUnavailableError, 503, "database_unavailable"),
 ]
 # the names of the errors FastAPI and Starlette raise themselves (routing, body limit, checks in routes)
 HTTP_NAMES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
