@@ -145,7 +145,8 @@ def test_a_checkpoint_states_whether_its_reranker_has_the_feature(tmp_path: Path
 def test_a_format_3_reranker_trained_on_the_fused_score_loads_warns_and_is_saved_as_todays(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Format 3 names no definition: its w was learned on the fused score. It loads as it is (weights
-    and pending features kept), says so, and the next save records today's definition; a definition
+    and pending features kept), says so, a save with no update since loading keeps the old label (the
+    warning repeats), and the first save after an update records today's definition; a definition
     this rmm does not know is refused, and so is a format-4 lexical checkpoint that names none."""
     learner = Learner(ResidualLinearReranker(D, lexical_feature=True), LearnerConfig(tau=0.5))
     sel = learner.select([candidates(3)], 2, generator=torch.Generator().manual_seed(2))[0]
@@ -161,6 +162,18 @@ def test_a_format_3_reranker_trained_on_the_fused_score_loads_warns_and_is_saved
     assert LEGACY_LEXICAL_DEFINITION in caplog.text and LEXICAL_DEFINITION in caplog.text
     assert float(old.reranker.lexical_weight.detach()) == pytest.approx(0.8)
     assert torch.equal(old._buffer[0].lexical, sel.candidates.lexical.float())  # as sampled
+    # Saved with no update since loading (rmm chat --no-learn closing): still the old feature's weights.
+    kept = json.loads((old.save(folder) / "meta.json").read_text())
+    assert kept["format_version"] == 4 and kept["lexical_definition"] == LEGACY_LEXICAL_DEFINITION
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rmm.policy.checkpoint"):
+        old = Learner.load(folder, lexical_feature=True)
+    assert LEGACY_LEXICAL_DEFINITION in caplog.text  # says so again
+    step, seed = old.stats.step, 10
+    while old.stats.step == step:  # one update on today's feature
+        (more,) = old.select([candidates(seed)], 2, generator=torch.Generator().manual_seed(seed))
+        old.record(more, torch.tensor([1.0, -1.0]))
+        seed += 1
     saved = json.loads((old.save(folder) / "meta.json").read_text())
     assert saved["format_version"] == 4 and saved["lexical_definition"] == LEXICAL_DEFINITION
     caplog.clear()
@@ -179,6 +192,20 @@ def test_a_format_3_reranker_trained_on_the_fused_score_loads_warns_and_is_saved
     # A plain Eq. 1 checkpoint has no definition to state.
     plain = json.loads((Learner(ResidualLinearReranker(D), LearnerConfig()).save(tmp_path / "p") / "meta.json").read_text())
     assert "lexical_definition" not in plain
+
+
+def test_a_format_3_checkpoint_without_the_lexical_weight_loads_with_no_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Only a lexical weight was trained on some definition: a plain format-3 reranker has nothing to warn about."""
+    folder = Learner(ResidualLinearReranker(D), LearnerConfig()).save(tmp_path / "plain3")
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["lexical_feature"] is False and "lexical_definition" not in meta
+    (folder / "meta.json").write_text(json.dumps({**meta, "format_version": 3}))
+    with caplog.at_level("WARNING"):
+        loaded = Learner.load(folder, lexical_feature=False)
+    assert not loaded.reranker.lexical_feature and caplog.records == []
+    saved = json.loads((loaded.save(folder) / "meta.json").read_text())
+    assert saved["format_version"] == 4 and "lexical_definition" not in saved
 
 
 # ---- through the hybrid first stage and rmm train's trainer -----------------------------------------

@@ -18,7 +18,9 @@ trained on (`rmm.memory.hybrid.LEXICAL_DEFINITION`, BM25's score scaled over its
 trained on the feature before it (`LEGACY_LEXICAL_DEFINITION`: a hybrid's fused score over its
 largest value; for a `bm25:DENSE` first stage already today's): it loads as it is, with a warning —
 its w and residual are where learning resumes, and its pending selections keep the features they
-were sampled with, so every update stays correct — and the next save records today's definition.
+were sampled with, so every update stays correct — and the first save after an update records
+today's definition (a save with no update since loading, e.g. `rmm chat --no-learn` closing, keeps
+the old one, so the warning repeats until the weights have learned on today's feature).
 A definition this rmm does not know is refused.
 
 It is written to a temporary sibling and swapped in with two renames: a crash mid-write never
@@ -98,8 +100,9 @@ def write_checkpoint(target: str | Path, *, weights: dict[str, Tensor], training
                      meta: dict[str, Any]) -> Path:
     """Write the folder atomically (temp sibling, then swap); returns its path.
 
-    `meta` carries the learner's fields (dim, encoder_name, step, stats, config); the format
-    version, kind and checksums are added here.
+    `meta` carries the learner's fields (dim, encoder_name, step, stats, config, lexical_feature and,
+    for a reranker loaded and not updated since, the `lexical_definition` it was loaded with); the
+    format version, kind, checksums and otherwise today's lexical definition are added here.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -110,8 +113,8 @@ def write_checkpoint(target: str | Path, *, weights: dict[str, Tensor], training
         torch.save(training, tmp / TRAINING)
         full_meta = {"format_version": FORMAT_VERSION, "kind": KIND, **meta,
                      "sha256": {name: _sha256(tmp / name) for name in (WEIGHTS, TRAINING)}}
-        if meta.get("lexical_feature"):  # the weights learn today's feature from here on (module docstring)
-            full_meta["lexical_definition"] = LEXICAL_DEFINITION
+        if meta.get("lexical_feature"):  # the learner's kept definition, else today's (module docstring)
+            full_meta["lexical_definition"] = meta.get("lexical_definition") or LEXICAL_DEFINITION
         (tmp / META).write_text(json.dumps(full_meta, indent=2))
         for name in (WEIGHTS, TRAINING, META):
             _fsync(tmp / name)
@@ -268,8 +271,8 @@ def _lexical_definition(folder: Path, meta: dict[str, Any], version: int) -> str
     if stated != LEXICAL_DEFINITION:
         log.warning("reranker checkpoint %s was trained on the lexical feature %r (format %s); this rmm computes "
                     "%r (BM25's score scaled over its top list; the same for a bm25:DENSE first stage): its "
-                    "weights are where learning resumes, and the next save records %r", folder, stated,
-                    version, LEXICAL_DEFINITION, LEXICAL_DEFINITION)
+                    "weights are where learning resumes, and the first save after an update records %r",
+                    folder, stated, version, LEXICAL_DEFINITION, LEXICAL_DEFINITION)
     return str(stated)
 
 

@@ -125,6 +125,9 @@ class Learner:
         self._last_rho: Tensor | None = None  # and its ρ, before any normalising (`_count` reuses it)
         self.optimizer = make_optimizer(self.reranker, self.config)
         self._grad_buffers: tuple[Tensor, Tensor] | None = None  # W_q's and W_m's gradients (`_backward`)
+        # The loaded checkpoint's lexical definition and the step it was loaded at: a save before any
+        # update since keeps that label (the weights learned nothing of today's feature yet).
+        self._loaded_definition: tuple[str, int] | None = None
 
     @property
     def dim(self) -> int:
@@ -329,13 +332,17 @@ class Learner:
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the checkpoint folder atomically (temp sibling, then swap); returns its path."""
+        meta: dict[str, Any] = {"dim": self.dim, "encoder_name": self.encoder_name, "step": self.stats.step,
+                                "stats": asdict(self.stats), "config": asdict(self.config),
+                                "lexical_feature": self.reranker.lexical_feature}
+        kept = self._loaded_definition
+        if self.reranker.lexical_feature and kept is not None and kept[1] == self.stats.step:
+            meta["lexical_definition"] = kept[0]  # no update since loading: still what it was trained on
         target = write_checkpoint(
             path,
             weights=self.reranker.state_dict(),
             training={"optimizer": self.optimizer.state_dict(), "pending": [p.to_state() for p in self._buffer]},
-            meta={"dim": self.dim, "encoder_name": self.encoder_name, "step": self.stats.step,
-                  "stats": asdict(self.stats), "config": asdict(self.config),
-                  "lexical_feature": self.reranker.lexical_feature},
+            meta=meta,
         )
         log.info("saved reranker checkpoint %s (step %d)", target, self.stats.step)
         return target
@@ -372,6 +379,8 @@ class Learner:
             learner.stats = LearnerStats(**meta["stats"])
             learner.reranker.version = learner.stats.step
             learner._buffer = [learner._restore_pending(s) for s in saved.training["pending"]]
+            if saved_lexical:
+                learner._loaded_definition = (str(meta["lexical_definition"]), learner.stats.step)
         except Exception as exc:  # shape, key and value errors all mean the same to a user
             raise CheckpointError(f"cannot load reranker checkpoint {saved.folder}: {exc}") from exc
         if meta["format_version"] < FORMAT_VERSION:
