@@ -8,9 +8,11 @@ processes, test_chaos_replicas.py.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ pytest.importorskip("psycopg", reason="PostgreSQL banks need psycopg (postgres e
 
 import psycopg
 
+from rmm.memory.pg_connect import DatabaseUnavailableError
 from rmm.memory.pg_database import PgDatabase
 from rmm.policy.pg_versions import RerankerVersions
 from rmm.policy.recipes import LearnerConfig
@@ -71,6 +74,13 @@ def holder(db: PgDatabase) -> int | None:
         return learner_holder(cur, db.where.schema)
 
 
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 def released(db: PgDatabase, timeout: float = 5.0) -> None:
     """Wait until the server has ended the learner's session (a closed socket is not yet a released
     lock; a lease tries again a second later, a test waits for exactly that moment)."""
@@ -96,21 +106,104 @@ def test_a_follower_tries_on_one_connection_and_takes_the_lock_on_it_when_the_le
     assert leader.connects == 2
 
 
-def test_a_broken_try_connection_is_replaced_at_the_next_try(pg_url: str, replicas: list[Replica]) -> None:
+def terminate(db: PgDatabase, conn: psycopg.Connection[Any] | None) -> None:
+    """End `conn`'s session from the server side, as a database restart or an administrator does."""
+    assert conn is not None
+    pid = conn.info.backend_pid
+    with db.tx() as cur:
+        cur.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    deadline = time.monotonic() + 5.0
+    while True:  # gone from the server (the client's socket does not know yet)
+        with db.tx() as cur:
+            if cur.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() == (0,):
+                return
+        assert time.monotonic() < deadline, "the terminated session is still there"
+        time.sleep(0.01)
+
+
+def test_a_try_connection_that_died_while_idle_is_replaced_within_the_same_try(
+        pg_url: str, replicas: list[Replica]) -> None:
     leader, follower = Replica(pg_url), Replica(pg_url)
     replicas += [leader, follower]
     assert leader.lease.try_acquire() and not follower.lease.try_acquire()
-    idle = follower.lease._idle
-    assert idle is not None
-    with leader.db.tx() as cur:  # an administrator (or a server restart) ends the follower's session
-        cur.execute("SELECT pg_terminate_backend(%s)", (idle.info.backend_pid,))
-    with pytest.raises(psycopg.OperationalError):
-        follower.lease.try_acquire()  # the thread logs this and tries again a second later
-    assert not follower.lease.try_acquire() and follower.connects == 2
+    dead = follower.lease._idle
+    terminate(leader.db, dead)
+    assert dead is not None and not dead.broken  # nothing tells the client until it uses the connection
+    assert not follower.lease.try_acquire()  # no error: the try reconnected and asked again
+    assert follower.connects == 2 and dead.closed
     assert follower.lease._idle is not None and not follower.lease._idle.broken
     leader.lease.stop()
     released(follower.db)
-    assert follower.lease.try_acquire() and follower.connects == 2
+    assert follower.lease.try_acquire() and follower.connects == 2  # on the new kept connection
+
+
+def test_the_retry_is_one_reconnect_and_a_refused_one_fails_the_try(pg_url: str, replicas: list[Replica]) -> None:
+    leader, follower = Replica(pg_url), Replica(pg_url)
+    replicas += [leader, follower]
+    assert leader.lease.try_acquire() and not follower.lease.try_acquire()
+    terminate(leader.db, follower.lease._idle)
+    connect = follower.db.dedicated
+
+    def refused(**params: Any) -> psycopg.Connection[Any]:
+        follower.connects += 1
+        raise DatabaseUnavailableError("PostgreSQL at test is unreachable: connection refused")
+
+    follower.db.dedicated = refused  # type: ignore[method-assign]
+    with pytest.raises(DatabaseUnavailableError):
+        follower.lease.try_acquire()  # the thread logs this round and tries again a second later
+    assert follower.connects == 2 and follower.lease._idle is None
+    follower.db.dedicated = connect  # type: ignore[method-assign]
+    assert not follower.lease.try_acquire() and follower.lease._idle is not None
+
+
+def test_the_lease_thread_rides_out_a_lost_idle_connection_without_a_warning(
+        pg_url: str, replicas: list[Replica], caplog: pytest.LogCaptureFixture) -> None:
+    leader = Replica(pg_url)
+    follower = Replica(pg_url, retry_s=0.05, reload_interval_s=0.05)
+    replicas += [leader, follower]
+    assert leader.lease.try_acquire()
+    follower.lease.start()
+    wait_for(lambda: follower.tries >= 2)
+    caplog.set_level(logging.INFO, logger="rmm.serve.learner_lease")
+    terminate(leader.db, follower.lease._idle)
+    tries = follower.tries
+    wait_for(lambda: follower.tries >= tries + 3)
+    assert follower.connects == 2 and not follower.lease.is_learner
+    records = [r for r in caplog.records if r.name == "rmm.serve.learner_lease"]
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    assert any("lost while idle" in r.getMessage() for r in records)
+
+
+def test_a_stop_that_began_during_a_try_gives_a_just_taken_lock_back(pg_url: str, replicas: list[Replica]) -> None:
+    replica = Replica(pg_url)
+    replicas.append(replica)
+    replica.lease._thread.stopping.set()  # stop() has begun while this try was under way
+    assert not replica.lease.try_acquire()
+    assert not replica.lease.is_learner and replica.lease._idle is None and replica.lease.stats.acquisitions == 0
+    released(replica.db)
+
+
+def test_a_lease_thread_that_outlives_stop_closes_its_own_connections(pg_url: str, replicas: list[Replica]) -> None:
+    """stop() times out while the thread is still connecting; the lock it then takes is not kept."""
+    replica = Replica(pg_url, retry_s=0.05)
+    replicas.append(replica)
+    connecting, go = threading.Event(), threading.Event()
+    connect = replica.db.dedicated
+
+    def slow(**params: Any) -> psycopg.Connection[Any]:
+        connecting.set()
+        go.wait(10.0)
+        return connect(**params)
+
+    replica.db.dedicated = slow  # type: ignore[method-assign]
+    replica.lease.start()
+    assert connecting.wait(5.0)
+    replica.lease.stop(timeout=0.1)  # times out: nothing to close yet
+    assert replica.lease._thread.running
+    go.set()
+    wait_for(lambda: not replica.lease._thread.running)
+    assert replica.connects == 1 and not replica.lease.is_learner and replica.lease._idle is None
+    released(replica.db)
 
 
 def test_the_lease_thread_keeps_its_connection_between_tries(pg_url: str, replicas: list[Replica]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from rmm.serve.background import Background
 
 
@@ -36,3 +38,30 @@ def test_stop_gives_up_after_its_timeout_on_a_round_that_does_not_end() -> None:
         assert time.monotonic() - started < 2.0
     finally:
         release.set()
+
+
+def test_a_stopped_loop_cannot_start_again_and_a_late_round_stays_visible() -> None:
+    release = threading.Event()
+    ended = threading.Event()
+
+    def loop() -> None:
+        release.wait(30.0)  # a round that outlives the stop's timeout
+        ended.set()
+
+    background = Background("rmm-test-single-use", loop)
+    background.start()
+    try:
+        assert not background.stop(0.1)
+        assert background.running  # still referenced while alive, not forgotten
+        with pytest.raises(RuntimeError, match="single-use"):
+            background.start()
+        assert sum(t.name == "rmm-test-single-use" for t in threading.enumerate()) == 1  # no second thread
+    finally:
+        release.set()
+    assert ended.wait(5.0) and background.stop(5.0) and not background.running
+    with pytest.raises(RuntimeError, match="was stopped"):
+        background.start()
+    never = Background("rmm-test-never-started", lambda: None)
+    assert never.stop(1.0) and not never.running
+    with pytest.raises(RuntimeError, match="single-use"):
+        never.start()

@@ -53,7 +53,10 @@ APPLY_EVERY_S = 0.2  # how often the learner looks for new feedback
 # Keepalives on the lock's connection: a learner host that vanishes without closing its socket
 # releases the lock within ~idle + interval x count seconds instead of the OS default (hours).
 _KEEPALIVE = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
-APPLICATION_NAME = "rmm-learner"  # the lock connection's application_name is "rmm-learner:<pid>" (pg_stat_activity)
+# Every replica's lease connection — the learner's and each follower's kept one — is named
+# "rmm-learner:<pid>" in pg_stat_activity, so the name alone does not say who learns: only
+# `learner_holder`, which joins pg_locks, finds the replica holding the lock.
+APPLICATION_NAME = "rmm-learner"
 
 
 def learner_lock_key(schema: str) -> int:
@@ -110,7 +113,11 @@ class SharedLearning:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the thread and give the lock back (closing its connection releases it)."""
+        """Stop the thread and give the lock back (closing its connection releases it).
+
+        The thread closes its own connections when its loop ends; closing them here too only
+        matters when the round outlives `timeout` (a connection the thread opens after this still
+        closes when its loop ends)."""
         if not self._thread.stop(timeout):
             log.warning("the learner round was still running %.0f s after shutdown began; closing its "
                         "connection anyway (its uncommitted work stays unapplied for the next learner)", timeout)
@@ -123,15 +130,24 @@ class SharedLearning:
 
     # ---- one round at a time ---------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # the loop's own connections end with it, however late it ends (see `stop`)
+            self._release()
+            self._close_idle()
+
+    def _loop(self) -> None:
+        stopping = self._thread.stopping
         next_try = next_reload = 0.0
-        while not self._thread.stopping.is_set():
+        while not stopping.is_set():
             now = time.monotonic()
             try:
                 if self._conn is None and now >= next_try:
                     next_try = now + self.retry_s
                     self.try_acquire()
                 if self._conn is not None:
-                    self.apply_pending()
+                    if not stopping.is_set():  # a stop that came during the try: no round after it
+                        self.apply_pending()
                 elif now >= next_reload:
                     next_reload = now + self.reload_interval_s
                     self.reload()
@@ -140,24 +156,38 @@ class SharedLearning:
                             " ".join(str(exc).split())[:300], exc_info=log.isEnabledFor(logging.DEBUG))
                 self._lose_lease()
             wait = self.apply_every_s if self._conn is not None else min(next_try, next_reload) - time.monotonic()
-            self._thread.stopping.wait(max(0.02, wait))
+            stopping.wait(max(0.02, wait))
 
     def try_acquire(self) -> bool:
         """Take the learner lock if nobody holds it; on success, start from the newest versions.
 
         Tries run on one connection kept open between them (reopened only when it broke), so a
-        replica that is not the learner costs the server one idle session, not a connect a second."""
+        replica that is not the learner costs the server one idle session, not a connect a second.
+        A kept connection whose session died while idle (a database restart, an administrator's
+        `pg_terminate_backend`) only says so when used: it is replaced and the try made again at
+        once on a fresh one, so a restart costs no failed round. A stop that began meanwhile wins:
+        a lock just taken is given straight back."""
+        import psycopg
+
         if self._idle is not None and (self._idle.closed or self._idle.broken):
             self._close_idle()
-        if self._idle is None:
-            self._idle = self.db.dedicated(**_KEEPALIVE, application_name=f"{APPLICATION_NAME}:{os.getpid()}")
-        conn = self._idle
-        try:
-            got = bool(conn.execute("SELECT pg_try_advisory_lock(%s)", (self.lock_key,)).fetchone()[0])  # type: ignore[index]
-        except Exception:
-            self._close_idle()  # lost or unusable: the next try connects afresh
-            raise
+        while True:
+            conn, fresh = self._idle, self._idle is None
+            if conn is None:
+                conn = self._idle = self.db.dedicated(**_KEEPALIVE, application_name=f"{APPLICATION_NAME}:{os.getpid()}")
+            try:
+                got = bool(conn.execute("SELECT pg_try_advisory_lock(%s)", (self.lock_key,)).fetchone()[0])  # type: ignore[index]
+                break
+            except Exception as exc:
+                self._close_idle()  # lost or unusable: this try reconnects once, a later one afresh
+                if fresh or not isinstance(exc, psycopg.OperationalError):
+                    raise
+                log.info("the learner lock's kept connection was lost while idle (%s); trying on a new one",
+                         " ".join(str(exc).split())[:200])
         if not got:
+            return False
+        if self._thread.stopping.is_set():
+            self._close_idle()  # its session ends: PostgreSQL releases the lock just taken
             return False
         self._idle, self._conn = None, conn
         self.stats.is_learner = True

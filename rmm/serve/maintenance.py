@@ -34,7 +34,8 @@ class Maintenance:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Ask the thread to stop and wait for the round in progress to finish."""
+        """Ask the thread to stop and wait up to `timeout` s for the round in progress to finish
+        (a round still running then is logged and left to end on its own)."""
         if not self._thread.stop(timeout):
             log.warning("a maintenance round (sweep or checkpoint) was still running %.0f s after shutdown began",
                         timeout)
