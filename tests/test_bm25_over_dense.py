@@ -261,3 +261,36 @@ def test_eval_qa_takes_bm25_dense(tiny_data_dir: Path, tmp_path: Path, monkeypat
                  "--limit", "4", "--k", "4", "--m", "2", "--device", "cpu", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["overall"]["n"] == 4 and fusions == ["lexical"] * 4
+
+
+def test_commands_that_rerank_refuse_plain_bm25_while_parsing(tiny_data_dir: Path, tmp_path: Path, capsys,
+                                                              monkeypatch) -> None:
+    """train, eval-qa, eval-controller and eval --reranker rescore embeddings: plain bm25 is one
+    `error:` line pointing to bm25:DENSE, before any dataset is read or retriever evaluated."""
+    import rmm.eval.benchmark_bank
+
+    def never(*args, **kwargs):
+        raise AssertionError("a retriever was opened")
+
+    monkeypatch.setattr(rmm.eval.benchmark_bank, "open_retriever", never)
+    for command in (["train", "--retriever", "bm25"], ["eval-qa", "--llm", "simulated", "--retriever", "bm25"],
+                    ["eval-controller", "--llm", "simulated", "--retriever", "bm25"],
+                    ["eval", "--retriever", "minilm", "bm25", "--reranker", str(tmp_path / "r")]):
+        with pytest.raises(SystemExit) as parsed:
+            main([*command, "--data-dir", str(tiny_data_dir), "--device", "cpu"])
+        assert parsed.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and "plain bm25 has none; use bm25:DENSE" in err and "Traceback" not in err, err
+    # Without --reranker, rmm eval reads plain bm25 as before.
+    monkeypatch.undo()
+    assert main(["eval", "--retriever", "bm25", "--k", "1", "--data-dir", str(tiny_data_dir), "--device", "cpu"]) == 0
+
+
+def test_a_config_that_names_plain_bm25_is_refused_with_the_same_line(tiny_data_dir: Path, tmp_path: Path,
+                                                                      capsys) -> None:
+    config = tmp_path / "train.yaml"
+    config.write_text("retriever: bm25\n")
+    with pytest.raises(SystemExit) as parsed:  # a config's value goes through the same argument type
+        main(["train", "--config", str(config), "--data-dir", str(tiny_data_dir), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert parsed.value.code == 2 and err.count("error:") == 1 and "plain bm25 has none; use bm25:DENSE" in err, err

@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 __all__ = [
-    "Check", "CheckedParser", "add_check", "cosine", "device", "index_backend", "m_within_k", "non_negative_float",
-    "non_negative_int", "open_fraction", "port", "positive_float", "positive_int", "positive_probability",
-    "probability", "retriever_name", "store_url", "trainable_citer",
+    "RERANK_NEEDS_EMBEDDINGS", "Check", "CheckedParser", "add_check", "cosine", "device", "index_backend",
+    "m_within_k", "non_negative_float", "non_negative_int", "open_fraction", "port", "positive_float", "positive_int",
+    "positive_probability", "probability", "rerankable_retriever_name", "retriever_name", "store_url",
+    "trainable_citer", "unrerankable",
 ]
 
 Number = TypeVar("Number", int, float)
@@ -82,6 +83,26 @@ def retriever_name(text: str) -> str:
         parse_retriever(text)
     except RmmError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+# One message for every command that reranks, from the parser or from a run-time check.
+RERANK_NEEDS_EMBEDDINGS = ("the reranker rescores embeddings and plain bm25 has none; use bm25:DENSE (BM25's "
+                           "ranking over DENSE's bank, e.g. bm25:minilm) or hybrid[:DENSE]")
+
+
+def unrerankable(name: str) -> str | None:
+    """Why a command that reranks cannot take `name` (plain `bm25`: text only, no embeddings for the
+    reranker to rescore), or None; what the run-time checks raise for a name that did not come through the parser."""
+    from rmm.eval.benchmark_bank import parse_retriever
+
+    return None if parse_retriever(name).dense is not None else f"--retriever {name}: {RERANK_NEEDS_EMBEDDINGS}"
+
+
+def rerankable_retriever_name(text: str) -> str:
+    """`retriever_name` for a command that reranks its first stage's candidates: plain `bm25` refused."""
+    if unrerankable(retriever_name(text)):
+        raise argparse.ArgumentTypeError(RERANK_NEEDS_EMBEDDINGS)  # argparse names the flag itself
     return text
 
 

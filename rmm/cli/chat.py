@@ -31,8 +31,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--retriever", default="dense", type=retriever_name,
                    help="first stage: dense (the encoder's bank search), hybrid[:DENSE] (BM25 over the bank's "
                         "memories + the dense search, reciprocal-rank fused) or bm25[:DENSE] (BM25's ranking "
-                        "alone over the bank's memories); DENSE = the encoder, as --encoder. Hybrid and bm25 "
-                        "candidates give the reranker its lexical feature")
+                        "alone over the bank's memories); DENSE = the encoder, as --encoder. Unlike rmm train / "
+                        "eval, plain bm25 here is BM25 over the chat bank, whose memories carry embeddings: "
+                        "rerankable, as bm25:DENSE. Hybrid and bm25 candidates give the reranker its lexical feature")
     add_frontend_options(p)
     add_k_m_options(p)
     p.add_argument("--tau", type=positive_float, help="Gumbel temperature (default: the recipe's)")

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 
 from rmm.cli.arguments import (
+    add_check,
     cosine,
     index_backend,
     positive_int,
     retriever_name,
     store_url,
+    unrerankable,
 )
 from rmm.cli.common import (
     DEFAULT_RETRIEVER,
@@ -68,6 +70,7 @@ def register(subparsers: Any) -> None:
                    help="keep the benchmark banks in PostgreSQL + pgvector (postgresql://…) instead of the cache folder")
     add_common_options(p)
     add_config_options(p, label="evaluation config", example="configs/eval/locomo-cpu.yaml")
+    add_check(p, _rerankable_with_reranker)  # after the config's settings are applied
     p.set_defaults(func=run)
 
 
@@ -121,27 +124,25 @@ def run(args: argparse.Namespace) -> int:
 def _reranker_order(args: argparse.Namespace, opened: Any) -> Rank:
     """Each query's candidates (the retriever's top --depth or more) in the --reranker checkpoint's
     order: what `RerankedRetriever.search` would show for the same candidates, without searching again."""
-    import torch
-
     from rmm.policy.learner import Learner
-    from rmm.policy.reranker import candidate_subset
+    from rmm.policy.retrieve import reranked
 
-    if opened.encoder is None:
-        raise RmmError(f"--reranker needs a retriever whose candidates carry embeddings (dense, hybrid[:DENSE] or bm25:DENSE); {opened.name!r} has none")
+    if opened.encoder is None:  # a name that skipped the parser (its check refuses plain bm25 with --reranker)
+        raise RmmError(unrerankable(opened.name) or f"{opened.name!r} gives no embeddings to rerank")
     reranker = Learner.load(args.reranker, encoder_name=opened.encoder.fingerprint, dim=opened.encoder.dim).reranker
 
     def rank(found: list[Candidates]) -> list[list[str]]:
-        ordered = []
-        for c in found:
-            if len(c) == 0:
-                ordered.append([])
-                continue
-            lexical = None if c.lexical is None else c.lexical[None]
-            scores = reranker.fast_scores(c.query_embedding[None], c.embeddings[None], lexical)[0]
-            ordered.append(candidate_subset(c, torch.argsort(scores, descending=True).tolist()).memory_ids)
-        return ordered
+        return [reranked(reranker, c).memory_ids for c in found]
 
     return rank
+
+
+def _rerankable_with_reranker(args: argparse.Namespace) -> str | None:
+    """--reranker rescores every --retriever's candidates: plain bm25 among them is refused before
+    any retriever is evaluated, not after the ones before it."""
+    if not getattr(args, "reranker", None):
+        return None
+    return next((message for message in map(unrerankable, args.retriever) if message), None)
 
 
 def headroom_figures(base: Any, reranked: Any) -> Figures:

@@ -11,7 +11,7 @@ from typing import Any
 from rich.markup import escape
 
 from rmm.cli import common
-from rmm.cli.arguments import positive_int, retriever_name
+from rmm.cli.arguments import positive_int, rerankable_retriever_name, unrerankable
 from rmm.cli.eval_qa import add_dedup_option, load_questions
 from rmm.cli.frontend_options import (
     add_frontend_options,
@@ -44,9 +44,10 @@ def _register(subparsers: Any, name: str, text: str) -> None:
     p.add_argument("--category", type=positive_int, default=1, help="question category (LoCoMo 1 = multi-hop)")
     p.add_argument("--llm", required=True, help="hf:PATH | openai:URL@MODEL | vllm:PATH (the simulated LLM "
                                                 "cannot drive a controller)")
-    p.add_argument("--retriever", type=retriever_name, default=common.DEFAULT_RETRIEVER,
+    p.add_argument("--retriever", type=rerankable_retriever_name, default=common.DEFAULT_RETRIEVER,
                    help="first stage of both the controller and the direct query (turn memories): a dense "
-                        "encoder preset or folder, or hybrid[:DENSE] (BM25 + that dense retriever, fused)")
+                        "encoder preset or folder, hybrid[:DENSE] (BM25 + that dense retriever, fused) or "
+                        "bm25:DENSE (BM25's ranking over DENSE's bank). Not plain bm25: the reranker needs embeddings")
     p.add_argument("--limit", type=positive_int, help="at most N questions (in dataset order)")
     common.add_k_m_options(p, "candidates per query", "memories selected per GOAL-MEM subgoal query (at most K; "
                                                       "MemR³ shows --n-chk per retrieval)")
@@ -74,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
     refuse_simulated(args, llm)
     opened = open_retriever(args.retriever, dataset, "turn", cache=args.cache_dir, device=args.device,
                             batch_size=args.batch_size)
-    if opened.encoder is None:
-        raise RmmError(f"the reranker needs a dense retriever; {args.retriever!r} has none")
+    if opened.encoder is None:  # a name that skipped the parser (command line and config go through its type)
+        raise RmmError(unrerankable(args.retriever) or f"{args.retriever!r} gives no embeddings to rerank")
 
     def show(question: Any, trace: Any) -> None:
         if args.show_trace:

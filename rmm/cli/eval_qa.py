@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rmm.cli.arguments import positive_int, retriever_name
+from rmm.cli.arguments import positive_int, rerankable_retriever_name, unrerankable
 from rmm.cli.common import (
     DEFAULT_RETRIEVER,
     add_common_options,
@@ -41,9 +41,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dataset", default="locomo")
     p.add_argument("--llm", required=True, help="generator spec (simulated: citations and recall only)")
     p.add_argument("--judge-llm", help="judge spec (default: the generator)")
-    p.add_argument("--retriever", type=retriever_name, default=DEFAULT_RETRIEVER,
-                   help="the agent's first stage: a dense encoder preset or folder, or hybrid[:DENSE] (BM25 + "
-                        "that dense retriever, reciprocal-rank fused; candidates carry the lexical feature)")
+    p.add_argument("--retriever", type=rerankable_retriever_name, default=DEFAULT_RETRIEVER,
+                   help="the agent's first stage: a dense encoder preset or folder, hybrid[:DENSE] (BM25 + "
+                        "that dense retriever, reciprocal-rank fused) or bm25:DENSE (BM25's ranking over DENSE's "
+                        "bank); hybrid and bm25:DENSE candidates carry the lexical feature. Not plain bm25: the "
+                        "reranker needs embeddings")
     p.add_argument("--granularity", default="turn", choices=("turn", "session", "topic"))
     p.add_argument("--limit", type=positive_int, help="answer at most N questions (in dataset order)")
     add_k_m_options(p)
@@ -68,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     opened = open_retriever(args.retriever, dataset, args.granularity, cache=args.cache_dir, device=args.device,
                             batch_size=args.batch_size, llm=llm if args.granularity == "topic" and
                             not llm.name.startswith("simulated") else None)
-    if opened.encoder is None:
-        raise RmmError(f"the agent's reranker needs a dense retriever; {args.retriever!r} has none")
+    if opened.encoder is None:  # a name that skipped the parser (command line and config go through its type)
+        raise RmmError(unrerankable(args.retriever) or f"{args.retriever!r} gives no embeddings to rerank")
     report = evaluate_qa(dataset, opened.retriever, llm, judge, granularity=args.granularity, limit=args.limit,
                          k=args.k, m=args.m, frontend=args.frontend, learn=not args.no_learn,
                          frontend_config=frontend_config(args), on_trace=lambda trace: _trace(args, trace))

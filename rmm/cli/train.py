@@ -19,9 +19,10 @@ from rmm.cli.arguments import (
     positive_int,
     positive_probability,
     probability,
-    retriever_name,
+    rerankable_retriever_name,
     store_url,
     trainable_citer,
+    unrerankable,
 )
 from rmm.cli.common import (
     DEFAULT_RETRIEVER,
@@ -52,7 +53,7 @@ def _baseline(value: str) -> float | str:
 
 def add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="locomo")
-    p.add_argument("--retriever", type=retriever_name, default=DEFAULT_RETRIEVER,
+    p.add_argument("--retriever", type=rerankable_retriever_name, default=DEFAULT_RETRIEVER,
                    help="encoder preset or folder, hybrid[:DENSE] (BM25 + dense, fused) or bm25:DENSE (BM25's ranking over the dense bank; plain bm25 has no embeddings to rerank)")
     p.add_argument("--granularity", choices=("turn", "session", "topic"), default="turn",
                    help="memories the reranker learns over: turns (default), whole sessions, or topic memories "
@@ -138,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
     dataset = load_benchmark(args)
     opened = open_retriever(args.retriever, dataset, args.granularity, cache=args.cache_dir, device=args.device,
                             batch_size=args.batch_size, store=args.store)
-    if opened.encoder is None:
-        raise RmmError(f"the reranker needs a dense retriever (embeddings); {args.retriever!r} has none")
+    if opened.encoder is None:  # a name that skipped the parser (command line and config go through its type)
+        raise RmmError(unrerankable(args.retriever) or f"{args.retriever!r} gives no embeddings to rerank")
     cfg = _online_config(args, normalized_encoder=opened.encoder.config.normalize)
     wandb_run = _wandb(args, cfg)
     t0 = time.perf_counter()

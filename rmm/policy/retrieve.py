@@ -23,6 +23,8 @@ from rmm.memory.bank import MemoryBank
 from rmm.policy.reranker import ResidualLinearReranker, candidate_subset
 from rmm.types import Candidates, Selection
 
+__all__ = ["RerankedRetriever", "Scope", "reranked"]
+
 Scope = Literal["topk", "bank"]
 
 
@@ -70,19 +72,21 @@ class RerankedRetriever:
 
     def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
         """The Retriever protocol: each query's candidates in reranked order, truncated to k."""
-        found = self.candidates(queries, user, max(k, self.k))
-        out = []
-        for c in found:
-            if len(c) == 0:
-                out.append(c)
-                continue
-            lexical = None if c.lexical is None else c.lexical[None]
-            order = self.reranker.fast_scores(c.query_embedding[None], c.embeddings[None], lexical)[0]
-            idx = torch.argsort(order, descending=True)[:k]
-            ranked = candidate_subset(c, idx.tolist())
-            ranked.retriever_scores = order[idx]
-            out.append(ranked)
-        return out
+        return [reranked(self.reranker, c, k) for c in self.candidates(queries, user, max(k, self.k))]
+
+
+def reranked(reranker: ResidualLinearReranker, candidates: Candidates, k: int | None = None) -> Candidates:
+    """`candidates` in the reranker's deterministic order (its fast scores, no Gumbel noise), cut to
+    `k`, each with its reranker score as `retriever_scores`: what `RerankedRetriever.search` shows,
+    and what `rmm eval --reranker` scores from the base run's own search."""
+    if len(candidates) == 0:
+        return candidates
+    lexical = None if candidates.lexical is None else candidates.lexical[None]
+    scores = reranker.fast_scores(candidates.query_embedding[None], candidates.embeddings[None], lexical)[0]
+    idx = torch.argsort(scores, descending=True)[:k]
+    ranked = candidate_subset(candidates, idx.tolist())
+    ranked.retriever_scores = scores[idx]
+    return ranked
 
 
 def _unseen_top_k(candidates: Candidates, excluded: Collection[str], k: int) -> Candidates:
