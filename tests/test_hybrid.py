@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rmm.errors import DimensionMismatchError, RmmError
-from rmm.eval.benchmark_bank import hybrid_dense
+from rmm.eval.benchmark_bank import RetrieverName, parse_retriever
 from rmm.memory.bank import MemoryBank
 from rmm.memory.hybrid import HybridRetriever, convex_fuse, rrf_fuse
 from rmm.types import Memory
@@ -175,11 +175,12 @@ def test_bad_settings_and_names(bank: MemoryBank) -> None:
         HybridRetriever(bank, depth=0)
     with pytest.raises(ValueError):
         HybridRetriever(bank).search(["q"], "u", 0)
-    assert hybrid_dense("hybrid") == "minilm" and hybrid_dense("hybrid:contriever") == "contriever"
-    assert hybrid_dense("minilm") is None and hybrid_dense("bm25") is None
+    assert parse_retriever("hybrid") == RetrieverName("minilm", "rrf")
+    assert parse_retriever("hybrid:contriever") == RetrieverName("contriever", "rrf")
+    assert parse_retriever("minilm").fusion is None and parse_retriever("bm25") == RetrieverName(None)
     for bad in ("hybrid:", "hybrid:bm25", "hybrid:hybrid"):
         with pytest.raises(RmmError):
-            hybrid_dense(bad)
+            parse_retriever(bad)
 
 
 def test_rmm_eval_and_open_retriever_take_hybrid(tiny_data_dir: Path, tmp_path: Path, monkeypatch) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from rmm.encoders import Encoder, load_encoder
-from rmm.encoders.passage_cache import PassageCache
+from rmm.encoders.passage_cache import PassageCache, attach_cache
 from rmm.errors import RmmError
 from rmm.memory.bank import MemoryBank
 from rmm.memory.bm25 import BM25Retriever
@@ -69,12 +69,6 @@ def parse_retriever(name: str) -> RetrieverName:
             raise RmmError(f"{prefix}:DENSE needs a dense encoder preset or folder after the colon, got {name!r}")
         return RetrieverName(dense, OVER_DENSE[prefix])
     return RetrieverName(name)
-
-
-def hybrid_dense(name: str) -> str | None:
-    """`hybrid` → the default dense encoder, `hybrid:DENSE` → DENSE; None for any other retriever name."""
-    parsed = parse_retriever(name)
-    return parsed.dense if parsed.fusion == OVER_DENSE[HYBRID] else None
 
 
 def documents(dataset: Dataset, user: str, granularity: str) -> list[Memory]:
@@ -210,11 +204,11 @@ def passage_cache(encoder: Encoder, cache: str | Path | None = None) -> Iterator
     """`encoder` answers passages from its cache under `<cache>/passages/` for the duration (a bank
     build); the encoder is left without it afterwards, as it was loaded. An encoder without the hook
     (any object with `encode_passages`, e.g. a user's own) builds uncached."""
-    if not hasattr(encoder, "passage_cache"):
+    previous = getattr(encoder, "passage_cache", None)
+    opened = attach_cache(encoder, cache)
+    if opened is None:
         yield None
         return
-    opened = PassageCache.for_encoder(cache_dir(cache) / "passages", encoder)
-    previous, encoder.passage_cache = encoder.passage_cache, opened
     try:
         yield opened
     finally:
