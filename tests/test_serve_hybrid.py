@@ -46,14 +46,16 @@ def test_retriever_is_dense_by_default_and_checked(tmp_path: Path) -> None:
         make_service(tmp_path / "bad", start=False, retriever="sparse")
 
 
-def test_hybrid_feedback_after_a_restart_learns_bit_equal_to_an_in_process_learner(tmp_path: Path) -> None:
-    settings = {"retriever": "hybrid", "learner": {"batch_size": 1}}
+def restart_then_learn(tmp_path: Path, retriever: str, query: str = "sourdough bread on Sundays") -> Selection:
+    """Sample under `retriever`, restart the server, give feedback: the restarted learner's weights
+    equal an in-process learner's fed the selection as sampled. Returns that selection."""
+    settings = {"retriever": retriever, "learner": {"batch_size": 1}}
     service = make_service(tmp_path, **settings)
     service.add_memories("alpha", "ana", [NewMemory(text=t, id=f"f{i}") for i, t in enumerate(FACTS)])
     reference = copy.deepcopy(service.learner("alpha"))  # the learner before anything was sampled
     w0 = reference.reranker.lexical_weight.item()
     sampled = capture_selections(service)
-    result = one(service, "ana", "sourdough bread on Sundays", k=5, m=3, explore=True)
+    result = one(service, "ana", query, k=5, m=3, explore=True)
     (selection,) = sampled
     lexical = selection.candidates.lexical
     assert lexical is not None and lexical.shape == (5,) and float(lexical.max()) > 0
@@ -72,6 +74,21 @@ def test_hybrid_feedback_after_a_restart_learns_bit_equal_to_an_in_process_learn
         assert learned["lexical_weight"].item() != w0  # w was learned from the stored feature
     finally:
         service.close()
+    return selection
+
+
+def test_hybrid_feedback_after_a_restart_learns_bit_equal_to_an_in_process_learner(tmp_path: Path) -> None:
+    restart_then_learn(tmp_path, "hybrid")
+
+
+def test_bm25_feedback_after_a_restart_learns_bit_equal_to_an_in_process_learner(tmp_path: Path) -> None:
+    # every fact names Ana, so BM25 returns all of them (it returns only memories sharing a term)
+    selection = restart_then_learn(tmp_path, "bm25", "Ana sourdough bread on Sundays")
+    lexical = selection.candidates.lexical
+    assert lexical is not None
+    # BM25's ranking alone: candidates in BM25's order, so its scaled score never rises down the list
+    assert float(lexical[0]) == 1.0 and bool((lexical[:-1] >= lexical[1:]).all()), lexical
+    assert selection.candidates.memory_ids[0].endswith("f1")  # the sourdough memory, BM25's best for the query
 
 
 def test_a_memory_written_after_the_first_retrieve_is_found_by_bm25(tmp_path: Path) -> None:

@@ -403,3 +403,25 @@ def test_checkpoint_folders_keep_their_layout_so_existing_checkpoints_load(tmp_p
         assert again.learner(key).stats.step == 1
     finally:
         again.close()
+
+
+def test_a_database_store_that_is_not_postgresql_is_a_config_error_not_an_assert(tmp_path: Path, monkeypatch) -> None:
+    """The check survives `python -O` (an assert would vanish) and closes the bank it opened."""
+    from rmm.errors import ConfigError
+    from rmm.memory.bank import MemoryBank
+    from rmm.serve import service as service_module
+
+    opened: list[MemoryBank] = []
+
+    def folder_bank(location, encoder, **options):  # a store that is not a PostgresStore
+        opened.append(MemoryBank(tmp_path / "folder", encoder, index_backend=options["index_backend"]))
+        return opened[-1]
+
+    monkeypatch.setattr(service_module, "MemoryBank", folder_bank)
+    config = load_config(None, {"bank": str(tmp_path / "bank"), "auth.keys": KEYS, "device": "cpu",
+                                "store": "postgresql://u:secret@h/db"}, environ={})
+    with pytest.raises(ConfigError, match="opened as MemoryStore, not a PostgresStore") as caught:
+        RetrievalService(config, encoder=BagOfWordsEncoder())
+    assert "secret" not in str(caught.value)
+    (bank,) = opened
+    assert bank._closed

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rmm.errors import ConfigError
 from rmm.memory.bank import EncoderLike, MemoryBank
 from rmm.memory.sessions import SessionLog
 from rmm.policy.learner import Learner, is_normalized_encoder
@@ -112,7 +113,10 @@ class RetrievalService:
             from rmm.serve.pg_pending import PgSelectionStore
 
             store = self.bank.store
-            assert isinstance(store, PostgresStore)  # a postgresql:// bank opens one
+            if not isinstance(store, PostgresStore):  # a postgresql:// bank opens one; never run without it
+                self.bank.close()
+                raise ConfigError(f"the postgresql:// store opened as {type(store).__name__}, not a PostgresStore: "
+                                  "the server's shared state (selections, feedback, jobs, versions) needs one")
             # the store's handle: one migration and one pool (sized by `database:`) for memories and
             # server state; the bank closes it
             db = self.db = store.database
