@@ -180,16 +180,36 @@ def test_rmm_eval_and_train_take_bm25_dense(tiny_data_dir: Path, tmp_path: Path,
     reports = json.loads(out.read_text())
     base = reports["bm25:minilm/turn"]["overall"]
     assert base == reports["bm25/turn"]["overall"]  # BM25 over the dense bank scores as plain BM25
+    # BM25 finds one turn per tiny question; a decoy that repeats each question gives it several, the
+    # decoy first (base recall@1 0) and the gold, less like the question, before it once q' = −q.
+    question_decoys(tiny_data_dir / "locomo" / "locomo10.json")
     out = tmp_path / "reranked.json"
     assert main(["eval", "--data-dir", str(tiny_data_dir), "--retriever", "bm25:minilm", "--k", "1", "3",
                  "--depth", "8", "--reranker", str(folder), "--json", str(out)]) == 0
     reports = json.loads(out.read_text())
+    base = reports["bm25:minilm/turn"]["overall"]
     reranked = reports["bm25:minilm/turn+reranker"]["overall"]
-    assert reranked["recall@8"] == pytest.approx(base["recall@8"])  # the same candidates, reranked
+    assert reranked["recall@8"] == pytest.approx(base["recall@8"]) == 1.0  # the same candidates, reranked
+    assert base["recall@1"] == 0.0 and reranked["recall@1"] > 0.5  # in the reversed order, not BM25's
     out = tmp_path / "topic.json"
     assert main(["eval", "--data-dir", str(tiny_data_dir), "--retriever", "bm25:minilm", "--granularity", "topic",
                  "--k", "5", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["granularity"] == "topic"
+
+
+def question_decoys(path: Path) -> None:
+    """Rewrite a tiny LoCoMo file so that the filler after each stated topic repeats its question."""
+    data = json.loads(path.read_text())
+    for conversation in data:
+        asked = {q["evidence"][0]: q["question"] for q in conversation["qa"] if q["category"] != 5}
+        for key, turns in conversation["conversation"].items():
+            if not (key.startswith("session_") and isinstance(turns, list)):
+                continue
+            for turn in turns:
+                session, number = turn["dia_id"].split(":")
+                if int(number) % 2 == 0:
+                    turn["text"] = asked[f"{session}:{int(number) - 1}"]
+    path.write_text(json.dumps(data))
 
 
 def test_bad_names_are_one_line_and_exit_2(tiny_data_dir: Path, tmp_path: Path, capsys, fake_minilm) -> None:
