@@ -16,7 +16,8 @@ re-reads them.
 When the learner dies its connection drops, PostgreSQL releases the lock, and another replica
 takes it at its next try (about a second). A replica that is not the learner keeps its lock
 connection open between tries (a try is one query on it, not a connect), and opens a new one
-only when that one broke. Every replica that is not the learner polls the newest
+only when that one broke (one that died while idle, e.g. across a database restart, is replaced
+within the same try). Every replica that is not the learner polls the newest
 version of each key every `reload_interval_s` and swaps it in (`LearnerRegistry.refresh`); the
 learner's own rerankers are always the newest, since it wrote them.
 """

@@ -29,7 +29,7 @@ from torch import nn
 from rmm.errors import ConfigError
 from rmm.memory.bank import EncoderLike
 
-__all__ = ["QUERY_PRECISIONS", "Int8QueryEncoder", "RowInt8Linear", "query_encoder", "quantize_linears"]
+__all__ = ["QUERY_PRECISIONS", "Int8QueryEncoder", "RowInt8Linear", "quantize_linears", "query_encoder"]
 
 log = logging.getLogger(__name__)
 
