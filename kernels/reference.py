@@ -159,12 +159,20 @@ def select_top_m(keys: Tensor, m: int) -> Tensor:
     """
     batch, k = keys.shape
     take = min(m, k)
-    order = torch.sort(keys, dim=-1, descending=True, stable=True)
-    picks = order.indices[:, :take]
-    picks = picks.masked_fill(order.values[:, :take] == float("-inf"), -1)
+    picks = _top_m_of_sort(torch.sort(keys, dim=-1, descending=True, stable=True), take)
     if take < m:
         picks = torch.cat([picks, picks.new_full((batch, m - take), -1)], dim=-1)
     return picks
+
+
+def _top_m_of_sort(order: torch.return_types.sort, m: int) -> Tensor:
+    """The first `m` positions of a descending sort, -1 where the key is `-inf` (no valid candidate left)."""
+    return order.indices[..., :m].masked_fill(order.values[..., :m] == float("-inf"), -1)
+
+
+def _over_tau(scores: Tensor, tau: float) -> Tensor:
+    """`scores / tau`, skipping the op at τ = 1 (x / 1 is x bit for bit, and so is its gradient)."""
+    return scores / tau if tau != 1.0 else scores
 
 
 def _float32(t: Tensor) -> Tensor:
@@ -179,7 +187,8 @@ def plackett_luce_picks_logp(scores: Tensor, picks: Tensor, tau: float, *, compl
     gradients, the learner's log π (through `rmm.policy.sampling.plackett_luce_logp`). Any
     leading batch dims; candidates on the last dim of `scores`, picks on the last dim of `picks`.
     Padding is whatever scores `-inf`; picks are distinct, and -1 marks no pick (a row that ran
-    out, or padding to a common M): it removes nothing and scores 0, with zero gradient.
+    out, or padding to a common M): it removes nothing and scores 0, with zero gradient. Computed in
+    the scores' dtype (float32 from the reference's scoring; a float64 caller keeps float64).
     `complete=True` is the caller's promise that every pick is a real one (no -1, none scoring
     `-inf`): the same values and gradients, without the ops that handle -1 picks.
 
@@ -189,10 +198,9 @@ def plackett_luce_picks_logp(scores: Tensor, picks: Tensor, tau: float, *, compl
     """
     k = scores.shape[-1]
     if k == 0:  # nothing to pick from: every pick is -1
-        return torch.zeros(picks.shape, dtype=torch.float32, device=scores.device)
-    logits = _float32(scores)
-    # x / 1 is x bit for bit, and so is its gradient: the learner (which divides by each row's τ first) skips an op
-    return picks_logp_of_logits(logits / tau if tau != 1.0 else logits, picks, complete=complete)
+        return torch.zeros(picks.shape, dtype=scores.dtype, device=scores.device)
+    # the learner divides by each row's τ first and passes τ = 1: one op fewer
+    return picks_logp_of_logits(_over_tau(scores, tau), picks, complete=complete)
 
 
 @functools.lru_cache(maxsize=64)
@@ -202,7 +210,7 @@ def _pick_steps(m: int, device: torch.device) -> Tensor:
 
 
 def picks_logp_of_logits(logits: Tensor, picks: Tensor, *, complete: bool = False) -> Tensor:
-    """`plackett_luce_picks_logp` on logits already divided by τ (float32, K ≥ 1).
+    """`plackett_luce_picks_logp` on logits already divided by τ (K ≥ 1).
 
     Row j of the `[M, K]` block keeps the candidates not picked before j: those whose rank (the
     position of their pick, M when never picked) is ≥ j. One scatter of the pick positions builds
@@ -214,17 +222,26 @@ def picks_logp_of_logits(logits: Tensor, picks: Tensor, *, complete: bool = Fals
     if complete:
         rank = torch.full(logits.shape, m, dtype=torch.long, device=logits.device)
         rank.scatter_(-1, picks, steps.expand(picks.shape))
-    else:
-        has = picks >= 0  # a -1 pick scatters into an extra column, sliced away
+    else:  # a -1 pick scatters into an extra column, sliced away
         rank = torch.full((*logits.shape[:-1], k + 1), m, dtype=torch.long, device=logits.device)
-        rank = rank.scatter_(-1, picks.masked_fill(~has, k), steps.expand(picks.shape))[..., :k]
-    available = (rank.unsqueeze(-2) >= steps.view(m, 1)) & (logits > float("-inf")).unsqueeze(-2)
+        rank = rank.scatter_(-1, picks.masked_fill(picks < 0, k), steps.expand(picks.shape))[..., :k]
+    return _logp_from_rank(logits, rank, picks, complete=complete)
+
+
+def _logp_from_rank(logits: Tensor, rank: Tensor, picks: Tensor, *, complete: bool, finite: bool = False) -> Tensor:
+    """The picks' log π from each candidate's rank (the position of its pick; anything ≥ M when not
+    picked): row j of the `[M, K]` block keeps the candidates of rank ≥ j. `complete`: every pick is
+    real (no -1, none `-inf`), so no row is empty; `finite`: no logit is `-inf`, so none needs masking."""
+    m = picks.shape[-1]
+    available = rank.unsqueeze(-2) >= _pick_steps(m, logits.device).view(m, 1)
+    if not finite:
+        available = available & (logits > float("-inf")).unsqueeze(-2)
     rows = torch.where(available, logits.unsqueeze(-2), float("-inf"))
     if complete:  # every row holds its own pick: never empty
         return logits.gather(-1, picks) - torch.logsumexp(rows, dim=-1)
     empty = ~available.any(-1, keepdim=True)  # nothing left (only after a row ran out): a finite placeholder
     normaliser = torch.logsumexp(torch.where(empty, 0.0, rows), dim=-1)  # [..., M]
-    return torch.where(has, logits.gather(-1, picks.clamp(min=0)) - normaliser, 0.0)
+    return torch.where(picks >= 0, logits.gather(-1, picks.clamp(min=0)) - normaliser, 0.0)
 
 
 def rerank_reference(
@@ -274,38 +291,42 @@ def rerank_rows(
     """`rerank_reference` over candidate rows already gathered, every one real: the CPU turn's step.
 
     `memories [B, K, d]` float32 (row b holds query b's K candidates, so ids are `arange`), `queries
-    [B, d]` float32, 1 ≤ m ≤ K. Bit for bit `rerank_reference(queries, memories.reshape(-1, d),
+    [B, d]` float32, 1 ≤ m ≤ K (checked: a ValueError otherwise). Bit for bit `rerank_reference(queries, memories.reshape(-1, d),
     arange(B·K).view(B, K), ...)` with the torch stream's noise — the same ops on the same values,
     minus those that only act on padding: no gather of the rows, no padding fill, s/τ divided once
-    for the keys and log π, and log π from the sort's ranking (`_ranked_picks_logp`) unless a score is
-    not finite.
+    for the keys and log π, and log π from the sort's ranking unless a score is not finite.
     """
+    _check_rows(queries, memories, m)
     # the bmm `gathered @ q.unsqueeze(-1)` reaches through matmul's expands and views, called directly
     scores = torch.bmm(memories, queries.unsqueeze(-1)).squeeze(-1)
     batch, k = scores.shape
-    logits = scores / tau if tau != 1.0 else scores  # x / 1 is x, bit for bit
+    logits = _over_tau(scores, tau)
     if explore:
         noise: Tensor | None = stream_gumbel((batch, k), generator, device=scores.device)
         keys = logits + noise
     else:
         noise, keys = None, scores
     order = torch.sort(keys, dim=-1, descending=True, stable=True)
-    picks = order.indices[:, :m]
     if math.isfinite(float(logits.sum())):  # every score finite (one sum: the usual case), so every key is
-        logp = _ranked_picks_logp(logits, order.indices, m)
+        # each candidate's rank is its position in the sort (a permutation per row): one scatter, and no
+        # -inf mask — `picks_logp_of_logits(logits, picks, complete=True)`'s values, bit for bit
+        ranking = order.indices
+        picks = ranking[:, :m]
+        rank = torch.empty_like(ranking).scatter_(-1, ranking, _pick_steps(k, logits.device).expand(ranking.shape))
+        logp = _logp_from_rank(logits, rank, picks, complete=True, finite=True)
     else:  # a score overflowed or is NaN: picks past the finite keys are -1, as the reference marks them
-        picks = picks.masked_fill(order.values[:, :m] == float("-inf"), -1)
+        picks = _top_m_of_sort(order, m)
         logp = picks_logp_of_logits(logits, picks)
     return RerankResult(indices=picks, scores=scores, logp=logp, noise=noise, backend="torch")
 
 
-def _ranked_picks_logp(logits: Tensor, ranking: Tensor, m: int) -> Tensor:
-    """`picks_logp_of_logits(logits, ranking[..., :m], complete=True)` for finite logits, from the full
-    ranking the top-M came from (`[..., K]`, a permutation per row): each candidate's rank is its position
-    in it, so the `[M, K]` block needs one scatter and no `-inf` mask — the same values, bit for bit."""
-    k = logits.shape[-1]
-    rank = torch.empty_like(ranking).scatter_(-1, ranking, _pick_steps(k, logits.device).expand(ranking.shape))
-    rows = torch.where(rank.unsqueeze(-2) >= _pick_steps(m, logits.device).view(m, 1), logits.unsqueeze(-2),
-                       float("-inf"))
-    return logits.gather(-1, ranking[..., :m]) - torch.logsumexp(rows, dim=-1)
+def _check_rows(queries: Tensor, memories: Tensor, m: int) -> None:
+    """`rerank_rows`' inputs as it states them, so a misuse is a clear error and not a wrong sample."""
+    if memories.ndim != 3 or queries.ndim != 2 or queries.shape != (memories.shape[0], memories.shape[2]):
+        raise ValueError(f"rerank_rows needs queries [B, d] and memories [B, K, d], got {tuple(queries.shape)} "
+                         f"and {tuple(memories.shape)}")
+    if memories.dtype != torch.float32 or queries.dtype != torch.float32:
+        raise ValueError(f"rerank_rows needs float32 queries and memories, got {queries.dtype} and {memories.dtype}")
+    if not 1 <= m <= memories.shape[1]:
+        raise ValueError(f"rerank_rows needs 1 <= m <= K, got m={m} for K={memories.shape[1]}")
 

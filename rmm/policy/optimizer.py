@@ -6,9 +6,11 @@ group, so its rate can differ. Adam is the fused implementation where torch has 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from rmm.policy.recipes import LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
@@ -19,6 +21,11 @@ __all__ = ["LEXICAL_LR_SCALE", "make_optimizer", "optimizer_step", "param_groups
 # (prequential recall@5 of rmm train --retriever hybrid) ×10 and ×30 learned w to 0.42–0.57 from a start
 # of 0 or 0.3 but scored 51.5–52.2 against 52.9 for ×1 from 0.3, so the step stays the matrices'.
 LEXICAL_LR_SCALE = 1.0
+
+log = logging.getLogger(__name__)
+
+# Set once a direct call of fused Adam's kernel failed: this process steps through `step()` from then on.
+_direct_disabled = False
 
 
 def param_groups(reranker: ResidualLinearReranker, lr: float) -> list[dict[str, Any]]:
@@ -44,29 +51,66 @@ def make_optimizer(reranker: ResidualLinearReranker, config: LearnerConfig) -> t
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-    """`optimizer.step()`; for a plain fused Adam, its kernel called directly.
+    """`optimizer.step()`; for a plain fused Adam, its kernel called directly. Either way the stepped
+    parameters' version counters move afterwards (`_bump_versions`).
 
     `Optimizer.step`'s wrappers (profiler range, hooks, dynamo guards, per-group bookkeeping) cost
     about as much as the fused kernel itself on a small CPU update. With nothing they would act on —
-    no hooks, no grad scaler, no AMSGrad/maximize/capturable/differentiable, every state made — this
-    calls what `torch.optim.adam._fused_adam` calls, in the same order, on the same arguments: the
-    same weights and states, bit for bit. Anything else goes through `step()`.
+    no hooks, no grad scaler, no AMSGrad/maximize/capturable/differentiable/weight-decay variants, no
+    instance-level `step` override, every state made — this calls what `torch.optim.adam._fused_adam`
+    calls, in the same order, on the same arguments: the same weights and states, bit for bit.
+    Anything else goes through `step()`, and so does everything after the direct call once failed
+    (a torch without the private names it uses, or a kernel that refuses its arguments).
     """
-    calls = _direct_fused_adam(optimizer)
+    calls = None if _direct_disabled else _direct_fused_adam(optimizer)
     if calls is None:
         optimizer.step()
-        return
-    for steps, args, kwargs in calls:
+    else:
+        _direct_step(optimizer, calls)
+    _bump_versions(optimizer)
+
+
+def _direct_step(optimizer: torch.optim.Optimizer, calls: list[tuple[list, tuple, dict[str, Any]]]) -> None:
+    """The fused kernel per group. If the first group's call fails, its step counts (advanced before
+    the kernel, which writes nothing when it refuses its arguments) are put back, the failure is logged
+    once, and this step and every later one go through `step()`."""
+    global _direct_disabled
+    for i, (steps, args, kwargs) in enumerate(calls):
         torch._foreach_add_(steps, 1)
-        torch._fused_adam_(*args, **kwargs)
+        try:
+            _fused_adam_kernel(args, kwargs)
+        except Exception as exc:  # noqa: BLE001 — a failing private call means: use the public one
+            torch._foreach_sub_(steps, 1)  # whole numbers in float: the counts are what they were, exactly
+            _direct_disabled = True
+            log.warning("fused Adam's kernel called directly failed (%s: %s); optimizer.step() from now on",
+                        type(exc).__name__, exc)
+            if i:  # earlier groups already stepped: step() would step them twice
+                raise RuntimeError("fused Adam's kernel failed on parameter group %d after stepping the "
+                                   "groups before it; the optimizer is part-stepped" % i) from exc
+            optimizer.step()
+            return
+
+
+def _fused_adam_kernel(args: tuple, kwargs: dict[str, Any]) -> None:
+    """`torch._fused_adam_`, what `torch.optim.adam._fused_adam` calls (a seam tests make fail)."""
+    torch._fused_adam_(*args, **kwargs)
+
+
+def _bump_versions(optimizer: torch.optim.Optimizer) -> None:
+    """Move the version counter of every parameter with a gradient: torch's fused Adam writes the weights
+    without it, and caches keyed on `_version` (the reranker's folded query) must see every step."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if params:
+        increment_version(params)
 
 
 def _direct_fused_adam(optimizer: torch.optim.Optimizer) -> list[tuple[list, tuple, dict[str, Any]]] | None:
-    """The fused kernel calls `optimizer.step()` would make, or None where it does more than those."""
-    if type(optimizer) is not torch.optim.Adam or optimizer._optimizer_step_pre_hooks or \
-            optimizer._optimizer_step_post_hooks or _global_step_hooks() or \
+    """The fused kernel calls `optimizer.step()` would make, or None where it does more than those (or
+    where this torch lacks a name the direct call relies on)."""
+    if type(optimizer) is not torch.optim.Adam or "step" in vars(optimizer) or _hooked(optimizer) or \
+            not hasattr(torch, "_fused_adam_") or \
             getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
-        return None
+        return None  # an instance-level `step` (LRScheduler's patch, profiler/accelerate wrappers) must run
     calls = []
     for group in optimizer.param_groups:
         if not group.get("fused") or group.get("amsgrad") or group.get("maximize") or group.get("capturable") \
@@ -91,8 +135,16 @@ def _direct_fused_adam(optimizer: torch.optim.Optimizer) -> list[tuple[list, tup
     return calls
 
 
-def _global_step_hooks() -> bool:
-    """Whether any global optimizer step hook is registered (`register_optimizer_step_*_hook`)."""
+_MISSING = object()
+
+
+def _hooked(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step hook, the optimizer's own or a global one (`register_optimizer_step_*_hook`), is
+    registered — or this torch keeps them under names we do not know (then assume so)."""
     from torch.optim import optimizer as module
 
-    return bool(module._global_optimizer_pre_hooks or module._global_optimizer_post_hooks)
+    hooks = (getattr(optimizer, "_optimizer_step_pre_hooks", _MISSING),
+             getattr(optimizer, "_optimizer_step_post_hooks", _MISSING),
+             getattr(module, "_global_optimizer_pre_hooks", _MISSING),
+             getattr(module, "_global_optimizer_post_hooks", _MISSING))
+    return any(h is _MISSING or bool(h) for h in hooks)

@@ -276,13 +276,19 @@ class ResidualLinearReranker(nn.Module):
         return (eye + self.W_q.weight).T @ (eye + self.W_m.weight)
 
     def _cache_key(self, device: torch.device, dtype: torch.dtype) -> tuple:
-        # `_version` bumps on every in-place write (optimizer steps, load_state_dict's copy_);
-        # data_ptr catches `.data` being swapped for another tensor.
+        # `_version` moves with in-place writes through autograd-visible ops (load_state_dict's copy_,
+        # SGD, foreach Adam) but not with torch's fused Adam kernel, which writes the weights without it:
+        # `rmm.policy.optimizer.optimizer_step` moves it after every step, and whoever steps a fused
+        # optimizer any other way calls `invalidate()` (as `Learner.update` does after each step).
+        # data_ptr catches `.data` being swapped for another tensor; a registry refresh or install,
+        # and a checkpoint load, build a new reranker (an empty cache).
         wq, wm = self.W_q.weight, self.W_m.weight
         return (wq._version, wm._version, wq.data_ptr(), wm.data_ptr(), device, dtype)
 
     def invalidate(self) -> None:
-        """Drop the folded query transform (the learner calls this after each optimizer step)."""
+        """Drop the folded query transform: needed after writing the weights in place by any means that
+        leaves their `_version` alone (a fused optimizer's `step()` called directly; `optimizer_step`
+        and `load_state_dict` need not). The learner calls it after each optimizer step regardless."""
         self._folded = None
         self._served = (None, 0)
 
@@ -357,10 +363,12 @@ class ResidualLinearReranker(nn.Module):
             noise = torch.zeros_like(scores) if explore else None
             logp = torch.zeros(len(candidates), 0) if explore else None
         else:
-            # Scoring, noise, top-M and log π in one dispatched call: the Triton kernel on CUDA,
-            # the torch reference elsewhere (on CPU the same draws from `generator` as
-            # rmm.policy.sampling). The padded [B, K, d] block serves as the bank; padding ids are -1,
-            # so short rows' surplus picks come back -1 and are cut off below.
+            # Scoring, noise, top-M and log π in one call: on CPU with every row full and nothing
+            # excluded, `rerank_rows` on the rows as they are (the torch reference's ops minus its gather,
+            # bit for bit); otherwise the dispatched `rerank` — the Triton kernel on CUDA, the torch
+            # reference elsewhere (on CPU the same draws from `generator` as rmm.policy.sampling), with
+            # the padded [B, K, d] block as the bank and padding ids -1, so short rows' surplus picks
+            # come back -1 and are cut off below.
             transformed = self.transform_queries(queries)
             if lexical is not None:  # w·f as one more dimension: [q A, w]·[m, f]
                 w = self.lexical_weight.detach().to(transformed.dtype).expand(transformed.shape[0], 1)
@@ -368,7 +376,6 @@ class ResidualLinearReranker(nn.Module):
                 memories = torch.cat([memories, lexical.unsqueeze(-1)], -1)
             if exclude is None and min(counts) == k_max and _rows_path(memories, m_batch):
                 # every row full, nothing masked, torch backend: the step on the rows as they are
-                # (rerank_rows: bit for bit the dispatched reference, without its gather and checks)
                 ranked = rerank_rows(transformed, _aligned(memories), m_batch, tau if explore else 1.0,
                                      explore=explore, generator=generator)
             else:

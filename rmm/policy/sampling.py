@@ -93,7 +93,7 @@ def plackett_luce_logp(
 ) -> Tensor:
     """Log-probability of each pick in order: `logit[c_j] − logsumexp(logits not yet picked)`.
 
-    Differentiable w.r.t. `scores`, in float32; `rmm.kernels.reference.plackett_luce_picks_logp`
+    Differentiable w.r.t. `scores`, in their dtype; `rmm.kernels.reference.plackett_luce_picks_logp`
     with the mask applied as `-inf` scores. Picks are distinct; -1 marks padding (rows with fewer picks,
     after their real ones) and scores 0 with zero gradient, so it never changes the real picks.
     The caller guarantees real picks are valid; `complete=True` promises there is no -1 pick and
