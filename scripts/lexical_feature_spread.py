@@ -7,6 +7,9 @@ the spread of `w0·f` over the K candidates compares with the spread of `q·m`. 
 granularity and first stage this prints, over the training questions' top-K lists: the mean
 per-list spread (max − min) and standard deviation of `q·m` and of `f`, and recall@M of the
 first stage's order, of the cosine order and of the untrained reranker's order at several w0.
+`cos_top1_minus_top5` and `f_top1_minus_top5` are each list's largest value minus its fifth
+largest, both sorted (rows written before this was fixed, e.g. `docs/results/s4/h6/spread_final.jsonl`,
+hold f's first minus fifth in the first stage's order instead).
 
     python scripts/lexical_feature_spread.py --dataset locomo --retriever hybrid --granularity session
 
@@ -78,6 +81,12 @@ class FeatureVariant(HybridRetriever):
         return c
 
 
+def top_minus(values: torch.Tensor, rank: int) -> torch.Tensor:
+    """The largest value minus the one at `rank` (0-based) in descending order: the same for q·m and f."""
+    ordered = values.sort(descending=True).values
+    return ordered[0] - ordered[rank]
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
@@ -102,10 +111,11 @@ def spread(trainer: OnlineTrainer, inits: list[float]) -> dict[str, Any]:
         f = c.lexical
         add("cos_spread", float(cos.max() - cos.min()))
         add("cos_std", float(cos.std()))
-        add("cos_top1_minus_top5", float(cos.sort(descending=True).values[0] - cos.sort(descending=True).values[min(4, len(c) - 1)]))
+        fifth = min(4, len(c) - 1)
+        add("cos_top1_minus_top5", float(top_minus(cos, fifth)))
         add("f_spread", float(f.max() - f.min()))
         add("f_std", float(f.std()))
-        add("f_top1_minus_top5", float(f[0] - f[min(4, len(c) - 1)]))
+        add("f_top1_minus_top5", float(top_minus(f, fifth)))
         add("f_max", float(f.max()))
         add("first_stage", trainer.score(c, list(range(len(c))), q)[metric])
         add("cosine", trainer.score(c, torch.argsort(cos, descending=True).tolist(), q)[metric])

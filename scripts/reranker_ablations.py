@@ -48,6 +48,7 @@ from rmm.eval.retrieval import (
     headroom_captured,
     scorable,
 )
+from rmm.memory.hybrid import HybridRetriever
 from rmm.policy import reranker as reranker_module
 from rmm.policy.learner import recipe_for
 
@@ -222,6 +223,10 @@ def main() -> None:
     default_lexical_init = reranker_module.LEXICAL_INIT
     log.info("# %s · %s · %s memories · recipe %s · limit %s · load %.1f", args.dataset, args.retriever,
              args.granularity, recipe, args.limit, os.getloadavg()[0])
+    featured = [spec for spec in args.run or [] if "feature" in parse_run(spec)[1]]
+    if featured and not isinstance(opened.retriever, HybridRetriever):  # before any run, not after the first ones
+        raise SystemExit(f"error: {featured[0]!r} sets feature= but --retriever {args.retriever} is not a hybrid "
+                         "or bm25:DENSE first stage (its candidates carry no lexical feature)")
     for spec in args.run or ["base"]:
         name, overrides = parse_run(spec)
         settings = dict(overrides)
