@@ -114,8 +114,8 @@ class Candidates:
     """The retriever's top-K for one query: what the reranker rescores.
 
     `embeddings` is None for retrievers without vectors (BM25); the reranker needs them.
-    `lexical` is each candidate's BM25 score scaled to [0, 1] over BM25's top 50, from a hybrid or
-    bm25:DENSE first stage (`rmm.memory.hybrid`), the reranker's optional learned feature; None
+    `lexical` is each candidate's BM25 score scaled to [0, 1] over BM25's depth list (its top 50 by
+    default; 0 below it), from a hybrid or bm25:DENSE first stage (`rmm.memory.hybrid`), the reranker's optional learned feature; None
     from a dense or plain BM25 retriever. A Selection keeps its candidates, so the feature is recorded as it was sampled.
     """
 

@@ -19,8 +19,8 @@ candidates exactly as it rescores dense ones. The BM25 index is built over the b
 so both halves always see the same memories.
 
 Every candidate also carries a lexical feature in [0, 1] for the reranker's learned lexical term
-(`Candidates.lexical`, `rmm.policy.reranker`): BM25's own score min-max scaled over BM25's list at
-the search depth (1 = BM25's best, 0 for its last and for a candidate BM25 did not return), the same
+(`Candidates.lexical`, `rmm.policy.reranker`): BM25's own score min-max scaled over
+its top `depth` (1 = BM25's best, 0 for its last and for a candidate BM25 did not return), the same
 for every fusion (`LEXICAL_DEFINITION`); a memory BM25 ranks below the depth (searched when K
 exceeds it) gets 0 too. Not the fused score: the reranker already adds the dense
 evidence as q·m, so a fused score counts the dense rank twice, and RRF's ranks compress BM25's
@@ -35,7 +35,7 @@ sets the scale, so the same memory has the same feature whatever K is.
 `fusion="lexical"` fuses nothing: the ranking is BM25's alone (same ids, same order, same scores
 as `BM25Retriever` over the bank's store), and the dense bank only supplies each candidate's
 embedding and the query's, so the reranker can rescore a BM25 first stage (`--retriever
-bm25:DENSE`). Its lexical feature is the same BM25 score scaled over BM25's list at the search depth.
+bm25:DENSE`). Its lexical feature is the same BM25 score scaled over BM25's top `depth`.
 """
 
 from __future__ import annotations
