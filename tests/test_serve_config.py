@@ -49,6 +49,7 @@ def test_api_keys_from_yaml_env_and_key_file(tmp_path: Path) -> None:
     ({"bank": "b", "explore": "maybe"}, {}, "explore must be true or false"),
     ({"bank": "b", "m": 30}, {}, "need 1 <= m <= k"),
     ({"bank": "b", "scope": "world"}, {}, "scope must be one of"),
+    ({"bank": "b", "scope": "bank", "retriever": "bm25"}, {}, "retriever: bm25 (a text ranking) cannot use"),
     ({"bank": "b", "index_backend": "annoy"}, {}, "index_backend 'annoy' is not one of"),
     ({"bank": "b", "index_precision": "int4"}, {}, "index_precision 'int4' is not one of"),
     ({"bank": "b", "index_precision": "bfloat16", "index_backend": "faiss-flat"}, {},

@@ -197,6 +197,9 @@ class ServeConfig:
             raise ConfigError(f"tau must be > 0, got {self.tau}")
         if self.scope not in ("topk", "bank"):
             raise ConfigError(f"scope must be 'topk' or 'bank', got {self.scope!r}")
+        if self.scope == "bank" and self.retriever == "bm25":
+            raise ConfigError("scope: bank searches the whole bank with the learned query vector, which "
+                              "retriever: bm25 (a text ranking) cannot use: pick scope: topk or retriever: dense|hybrid")
         if self.reranker_per not in ("bank", "tenant", "user"):
             raise ConfigError(f"reranker_per must be 'bank', 'tenant' or 'user', got {self.reranker_per!r}")
         if self.selection_ttl_s <= 0:
