@@ -18,17 +18,21 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+from plackett_luce_helpers import naive_pl_logp
 from rmm.kernels.reference import (
     picks_logp_of_logits,
-    plackett_luce_picks_logp,
     rerank_reference,
     rerank_rows,
 )
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import rmm.policy.learner as learner_module
+import rmm.policy.optimizer as optimizer_module
 import rmm.policy.reranker as reranker_module
 from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.optimizer import _direct_fused_adam, optimizer_step
@@ -99,10 +103,12 @@ def test_buffered_update_leaves_public_loss_untapped() -> None:
 
 
 # ---- padded picks: -1 now, repeats of pick 0 before ----------------------------------------------
-def old_plackett_luce_logp(scores: Tensor, chosen: Tensor, tau: float, mask: Tensor | None = None) -> Tensor:
+def old_plackett_luce_logp(scores: Tensor, chosen: Tensor, tau: float, mask: Tensor | None = None, *,
+                           complete: bool = False) -> Tensor:
     """The learner's log π before the kernels' function served it, written out: rows with fewer picks
     were padded with pick 0 (one one-hot row per pick, so a repeat never changes the real picks),
-    and the learner zeroed the padding picks afterwards."""
+    and the learner zeroed the padding picks afterwards. It had one path for every batch, so the
+    learner's `complete` (its promise of no padding picks) changes nothing here."""
     valid = chosen >= 0
     chosen = chosen.clamp(min=0)
     logits = scores / tau
@@ -161,21 +167,6 @@ def test_padding_picks_with_minus_one_learns_what_repeats_did(monkeypatch: pytes
 
 
 # ---- Plackett–Luce log-probabilities of the picks --------------------------------------------
-def loop_picks_logp(scores: Tensor, picks: Tensor, tau: float) -> Tensor:
-    """The old formulation, one pick at a time: masked logsumexp over what is left."""
-    logits = scores.float() / tau
-    out = torch.zeros(picks.shape, dtype=torch.float32)
-    for b in range(picks.shape[0]):
-        available = logits[b] > float("-inf")
-        for j in range(picks.shape[1]):
-            c = int(picks[b, j])
-            if c < 0:
-                continue
-            out[b, j] = logits[b, c] - torch.logsumexp(logits[b][available], 0)
-            available[c] = False
-    return out
-
-
 @pytest.mark.parametrize("tau", [0.05, 0.5, 2.0])
 def test_picks_logp_equals_the_loop(tau: float) -> None:
     rng = torch.Generator().manual_seed(7)
@@ -191,10 +182,8 @@ def test_picks_logp_equals_the_loop(tau: float) -> None:
         bank = torch.eye(k)
         queries = torch.where(torch.isfinite(scores), scores, torch.zeros(()))
         result = rerank_reference(queries, bank, ids, m, tau, explore=True, noise=noise)
-        expected = loop_picks_logp(result.scores, result.indices, tau)
+        expected = naive_pl_logp(result.scores, result.indices, tau)  # one pick at a time
         torch.testing.assert_close(result.logp, expected, rtol=0, atol=1e-5)
-        torch.testing.assert_close(plackett_luce_picks_logp(result.scores, result.indices, tau), expected,
-                                   rtol=0, atol=1e-5)
         assert (result.indices[1, 8:] == -1).all()
 
 
@@ -303,25 +292,22 @@ def test_rows_path_marks_picks_past_the_finite_keys_like_the_reference() -> None
 
 
 # ---- the optimizer step ----------------------------------------------------------------------------
-def _two_groups(seed: int, fused: bool = True, sgd: bool = False) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+def _two_groups(seed: int, fused: bool = True, sgd: bool = False, **adam: object
+                ) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
     gen = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(D, D, generator=gen)) for _ in range(2)]
     params.append(torch.nn.Parameter(torch.tensor(0.3)))
     groups = [{"params": params[:2]}, {"params": params[2:], "lr": 1e-3}]
-    opt = torch.optim.SGD(groups, lr=3e-4) if sgd else torch.optim.Adam(groups, lr=3e-4, fused=fused)
+    opt = torch.optim.SGD(groups, lr=3e-4) if sgd else torch.optim.Adam(groups, lr=3e-4, fused=fused, **adam)
     return params, opt
 
 
-@pytest.mark.parametrize("kind", ["fused", "foreach", "sgd", "hooked"])
-def test_optimizer_step_is_step_bit_for_bit(kind: str) -> None:
-    """`optimizer_step` (fused Adam's kernel called directly) leaves the weights and states `step()` does,
-    including a step where one parameter has no gradient; other optimizers and hooks go through `step()`."""
-    (ours, opt), (theirs, ref) = (_two_groups(0, fused=kind != "foreach", sgd=kind == "sgd") for _ in range(2))
-    hooked: list[int] = []
-    if kind == "hooked":
-        opt.register_step_post_hook(lambda *_: hooked.append(1))
+def _step_both(ours: list[torch.nn.Parameter], opt: torch.optim.Optimizer, theirs: list[torch.nn.Parameter],
+               ref: torch.optim.Optimizer, steps: int = 12) -> None:
+    """`optimizer_step(opt)` against `ref.step()` on the same gradients, one step without a gradient
+    for the scalar, one with large gradients."""
     gen = torch.Generator().manual_seed(1)
-    for it in range(12):
+    for it in range(steps):
         for a, b in zip(ours, theirs):
             a.grad = torch.randn(a.shape, generator=gen) * (10.0 if it == 3 else 1.0)
             b.grad = a.grad.clone()
@@ -329,11 +315,140 @@ def test_optimizer_step_is_step_bit_for_bit(kind: str) -> None:
             ours[2].grad = theirs[2].grad = None
         optimizer_step(opt)
         ref.step()
+
+
+def _assert_same(ours: list[torch.nn.Parameter], opt: torch.optim.Optimizer, theirs: list[torch.nn.Parameter],
+                 ref: torch.optim.Optimizer) -> None:
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     for mine, reference in zip(opt.state.values(), ref.state.values()):
         assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
-    assert len(hooked) == (12 if kind == "hooked" else 0)
-    assert (_direct_fused_adam(opt) is not None) == (kind == "fused")
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_optimizer_step_is_step_bit_for_bit(weight_decay: float) -> None:
+    """`optimizer_step` (fused Adam's kernel called directly, L2 weight decay passed on) leaves the weights
+    and states `step()` does, including a step where one parameter has no gradient."""
+    (ours, opt), (theirs, ref) = (_two_groups(0, weight_decay=weight_decay) for _ in range(2))
+    calls = {"kernel": 0}
+    real = optimizer_module._fused_adam_kernel
+
+    def counting(*args: object) -> None:
+        calls["kernel"] += 1
+        real(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(optimizer_module, "_fused_adam_kernel", counting)
+        _step_both(ours, opt, theirs, ref)
+    assert calls["kernel"] > 12  # the direct path ran, from the second step on (two groups each)
+    _assert_same(ours, opt, theirs, ref)
+    assert _direct_fused_adam(opt) is not None
+
+
+def _instance_step(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A `step` patched onto the instance, as LRScheduler and profiler/accelerate wrappers do."""
+    opt.calls = 0
+    plain = opt.step
+
+    def step(*args: object, **kwargs: object) -> object:
+        opt.calls += 1
+        return plain(*args, **kwargs)
+
+    opt.step = step
+    return opt
+
+
+_REFUSED = {
+    "foreach": lambda: _two_groups(0, fused=False)[1],
+    "sgd": lambda: _two_groups(0, sgd=True)[1],
+    "amsgrad": lambda: _two_groups(0, amsgrad=True)[1],
+    "maximize": lambda: _two_groups(0, maximize=True)[1],
+    "decoupled_weight_decay": lambda: _two_groups(0, decoupled_weight_decay=True, weight_decay=0.01)[1],
+    "tensor_lr": lambda: _set_group(_two_groups(0)[1], "lr", torch.tensor(3e-4)),
+    "capturable": lambda: _set_group(_two_groups(0)[1], "capturable", True),
+    "pre_hook": lambda: _hook(_two_groups(0)[1], "register_step_pre_hook"),
+    "post_hook": lambda: _hook(_two_groups(0)[1], "register_step_post_hook"),
+    "instance_step": lambda: _instance_step(_two_groups(0)[1]),
+}
+
+
+def _set_group(opt: torch.optim.Optimizer, flag: str, value: object) -> torch.optim.Optimizer:
+    for group in opt.param_groups:
+        group[flag] = value
+    return opt
+
+
+def _hook(opt: torch.optim.Optimizer, register: str) -> torch.optim.Optimizer:
+    opt.calls = 0
+
+    def count(*_: object) -> None:
+        opt.calls += 1
+
+    getattr(opt, register)(count)
+    return opt
+
+
+@pytest.mark.parametrize("kind", sorted(_REFUSED))
+def test_optimizer_step_refuses_the_direct_path_where_step_does_more(kind: str) -> None:
+    """Every variant the direct call would get wrong goes through `step()` (and a hook or an instance-level
+    `step` runs on every `optimizer_step`), once the states exist as well as before."""
+    opt = _REFUSED[kind]()
+    for p in (p for group in opt.param_groups for p in group["params"]):
+        p.grad = torch.ones_like(p)
+    for _ in range(3):
+        optimizer_step(opt)
+        assert _direct_fused_adam(opt) is None
+    assert all(opt.state[p] for group in opt.param_groups for p in group["params"]) or kind == "sgd"
+    if kind in ("pre_hook", "post_hook", "instance_step"):
+        assert opt.calls == 3
+
+
+def test_optimizer_step_refuses_the_direct_path_under_a_global_hook() -> None:
+    _, opt = _two_groups(0)
+    for p in (p for group in opt.param_groups for p in group["params"]):
+        p.grad = torch.ones_like(p)
+    optimizer_step(opt)
+    assert _direct_fused_adam(opt) is not None
+    handle = register_optimizer_step_post_hook(lambda *_: None)
+    try:
+        assert _direct_fused_adam(opt) is None
+    finally:
+        handle.remove()
+    assert _direct_fused_adam(opt) is not None
+
+
+def test_a_failing_direct_kernel_leaves_what_step_does(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The kernel called directly raises: its step count is put back, `step()` makes the step instead (the
+    same weights, states and counts bit for bit), and every later step goes through `step()`, logged once."""
+    monkeypatch.setattr(optimizer_module, "_direct_disabled", False)
+    calls = {"kernel": 0}
+
+    def broken(*_: object) -> None:
+        calls["kernel"] += 1
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(optimizer_module, "_fused_adam_kernel", broken)
+    (ours, opt), (theirs, ref) = (_two_groups(0) for _ in range(2))
+    with caplog.at_level(logging.WARNING, logger=optimizer_module.__name__):
+        _step_both(ours, opt, theirs, ref)
+    assert calls["kernel"] == 1  # tried once (the second step: the first makes the states), then step()
+    assert optimizer_module._direct_disabled and len(caplog.records) == 1
+    _assert_same(ours, opt, theirs, ref)
+    assert [float(s["step"]) for s in opt.state.values()] == [12.0, 12.0, 11.0]
+
+
+def test_optimizer_step_moves_the_version_counters_fused_adam_leaves() -> None:
+    """torch's fused Adam writes the weights without moving `_version`; `optimizer_step` moves it, so a
+    cache keyed on it (the reranker's folded query) sees every step."""
+    (ours, opt), (theirs, ref) = (_two_groups(0) for _ in range(2))
+    for a, b in zip(ours, theirs):
+        a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    before = [p._version for p in ours]
+    for _ in range(2):  # the first through step() (it makes the states), the second direct
+        ref.step()
+        optimizer_step(opt)
+    assert [p._version for p in theirs] == before  # why optimizer_step bumps them
+    assert all(after >= was + 2 for after, was in zip((p._version for p in ours), before))
 
 
 def test_rows_path_on_a_misaligned_or_strided_block_equals_the_gathered_reference(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -356,3 +471,15 @@ def test_rows_path_on_a_misaligned_or_strided_block_equals_the_gathered_referenc
                 sides[through_rows] = reranker.select([cand], 4, explore=True, generator=torch.Generator().manual_seed(1))[0]
         assert sides[True].chosen == sides[False].chosen, name
         assert torch.equal(sides[True].scores, sides[False].scores) and torch.equal(sides[True].logp, sides[False].logp)
+
+
+def test_rerank_rows_refuses_inputs_outside_what_it_states() -> None:
+    gen = torch.Generator().manual_seed(0)
+    memories, queries = torch.randn(2, 5, D, generator=gen), torch.randn(2, D, generator=gen)
+    for bad_m in (0, 6):
+        with pytest.raises(ValueError, match="1 <= m <= K"):
+            rerank_rows(queries, memories, bad_m, 0.5, explore=False)
+    with pytest.raises(ValueError, match="float32"):
+        rerank_rows(queries.double(), memories.double(), 2, 0.5, explore=False)
+    with pytest.raises(ValueError, match=r"queries \[B, d\]"):
+        rerank_rows(queries[:1], memories, 2, 0.5, explore=False)

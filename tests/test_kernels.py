@@ -20,6 +20,7 @@ if _TRITON_INSTALLED and not _CUDA and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from plackett_luce_helpers import naive_pl_logp
 from rmm.kernels import dispatch
 from rmm.kernels.dispatch import rerank, resolve_backend
 from rmm.kernels.reference import (
@@ -127,12 +128,18 @@ def test_reference_agrees_with_sampling(tau: float) -> None:
     explored = rerank_reference(queries, bank, ids, 4, tau, explore=True, generator=torch.Generator().manual_seed(2))
     scores = (bank[ids] @ queries.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(explored.scores, scores)
-    chosen, noise = gumbel_top_m(scores, 4, tau, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(explored.indices, chosen) and torch.equal(explored.noise, noise)
-    torch.testing.assert_close(explored.logp, plackett_luce_logp(scores, chosen, tau))
+    # the noise is the Gumbel formula on the generator's draws, and the picks the top-4 of s/τ + g
+    noise = -torch.log(-torch.log(torch.rand(scores.shape, generator=torch.Generator().manual_seed(2))))
+    assert torch.equal(explored.noise, noise)
+    assert torch.equal(explored.indices, (explored.scores / tau + noise).topk(4, dim=-1).indices)
+    chosen, sampled_noise = gumbel_top_m(scores, 4, tau, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(explored.indices, chosen) and torch.equal(sampled_noise, noise)
+    torch.testing.assert_close(explored.logp, naive_pl_logp(scores, chosen, tau))
+    torch.testing.assert_close(plackett_luce_logp(scores, chosen, tau), naive_pl_logp(scores, chosen, tau))
     greedy = rerank_reference(queries, bank, ids, 4, tau, explore=False)
-    assert torch.equal(greedy.indices, top_m(scores, 4)) and greedy.noise is None
-    torch.testing.assert_close(greedy.logp, plackett_luce_logp(scores, greedy.indices, tau))
+    assert torch.equal(greedy.indices, scores.topk(4, dim=-1).indices) and greedy.noise is None
+    assert torch.equal(greedy.indices, top_m(scores, 4))
+    torch.testing.assert_close(greedy.logp, naive_pl_logp(scores, greedy.indices, tau))
 
 
 def test_reference_padding_agrees_with_sampling_mask() -> None:
@@ -147,10 +154,10 @@ def test_reference_padding_agrees_with_sampling_mask() -> None:
         real = result.indices[row][result.indices[row] >= 0]
         assert mask[row, real].all() and len(set(real.tolist())) == len(real)
     clean_scores = result.scores.masked_fill(~mask, 0.0)
-    expected = plackett_luce_logp(clean_scores[:2], result.indices[:2], 0.5, mask[:2])
-    torch.testing.assert_close(result.logp[:2], expected)
-    logp_direct = plackett_luce_picks_logp(result.scores, result.indices, 0.5)
-    torch.testing.assert_close(logp_direct, result.logp)
+    expected = naive_pl_logp(clean_scores, result.indices, 0.5, mask)  # the -1 picks of row 2 included
+    torch.testing.assert_close(result.logp, expected)
+    torch.testing.assert_close(plackett_luce_logp(clean_scores, result.indices, 0.5, mask), expected)
+    torch.testing.assert_close(plackett_luce_picks_logp(result.scores, result.indices, 0.5), expected)
 
 
 def test_seeded_first_pick_follows_softmax_of_scores_over_tau() -> None:

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from rmm.errors import DimensionMismatchError
+from rmm.policy.optimizer import make_optimizer, optimizer_step
+from rmm.policy.recipes import LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
 from rmm.policy.sampling import plackett_luce_logp
 from rmm.types import Candidates
@@ -74,6 +76,33 @@ def test_folded_cache_follows_weight_changes() -> None:
     torch.testing.assert_close(reranker.fast_scores(q, m), reranker(q, m).detach(), rtol=1e-4, atol=1e-4)
     reranker.invalidate()
     torch.testing.assert_close(reranker.fast_scores(q, m), reranker(q, m).detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_folded_cache_follows_a_fused_adam_step_outside_the_learner() -> None:
+    """torch's fused Adam writes the weights without moving `_version`; stepped through `optimizer_step`
+    (no `Learner.update`, so no `invalidate()`), the next select scores with the new weights. A fused
+    `step()` called directly needs `invalidate()`, as the cache's comment says."""
+    reranker = ResidualLinearReranker(DIM, lexical_feature=True)
+    opt = make_optimizer(reranker, LearnerConfig(lr=0.05))
+    assert opt.param_groups[0].get("fused")
+    cands = [make_candidates(6, seed=s) for s in range(DIM)]  # DIM query rows: past DIM/2, the query folds
+    reranker.select(cands, 3)
+    assert reranker._folded is not None
+    for step in range(2):  # the first through step() (it makes Adam's states), the second direct
+        for p in reranker.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+        optimizer_step(opt)
+        for sel, c in zip(reranker.select(cands, 3), cands):
+            plain = reranker(c.query_embedding[None], c.embeddings[None])[0].detach()
+            torch.testing.assert_close(sel.scores, plain, rtol=1e-4, atol=1e-4)
+        assert reranker._folded is not None  # refolded with the new weights, not dropped
+    for p in reranker.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    reranker.invalidate()
+    torch.testing.assert_close(reranker.select(cands[:1], 3)[0].scores,
+                               reranker(cands[0].query_embedding[None], cands[0].embeddings[None])[0].detach(),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_gradients_reach_only_the_reranker_weights() -> None:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from plackett_luce_helpers import naive_pl_logp
 
 from rmm.policy.sampling import (
     gumbel_noise,
@@ -89,16 +90,7 @@ def test_plackett_luce_logp_gradient_matches_naive_loop() -> None:
     scores = torch.randn(3, 6, requires_grad=True)
     chosen = torch.tensor([[5, 0, 2], [1, 2, 3], [0, 4, 1]])
     fast = plackett_luce_logp(scores, chosen, 0.7)
-    naive_rows = []
-    for b in range(3):
-        remaining = list(range(6))
-        row = []
-        for c in chosen[b].tolist():
-            logits = scores[b, remaining] / 0.7
-            row.append(logits[remaining.index(c)] - torch.logsumexp(logits, 0))
-            remaining.remove(c)
-        naive_rows.append(torch.stack(row))
-    naive = torch.stack(naive_rows)
+    naive = naive_pl_logp(scores, chosen, 0.7)
     torch.testing.assert_close(fast, naive)
     weights = torch.randn(3, 3)
     (g_fast,) = torch.autograd.grad((fast * weights).sum(), scores)
@@ -113,19 +105,7 @@ def test_padding_picks_score_zero_and_leave_the_real_ones_as_the_naive_loop() ->
     mask = torch.tensor([[True] * 6, [True] * 5 + [False], [True] * 3 + [False] * 3])
     chosen = torch.tensor([[5, 0, 2, 4], [1, 3, -1, -1], [2, 0, 1, -1]])
     got = plackett_luce_logp(scores, chosen, 0.7, mask)
-    naive_rows = []
-    for b in range(3):
-        remaining = [i for i in range(6) if mask[b, i]]
-        row = []
-        for c in chosen[b].tolist():
-            if c < 0:
-                row.append(scores[b, 0] * 0.0)
-                continue
-            logits = scores[b, remaining] / 0.7
-            row.append(logits[remaining.index(c)] - torch.logsumexp(logits, 0))
-            remaining.remove(c)
-        naive_rows.append(torch.stack(row))
-    naive = torch.stack(naive_rows)
+    naive = naive_pl_logp(scores, chosen, 0.7, mask)
     torch.testing.assert_close(got, naive)
     assert got[1, 2:].tolist() == [0.0, 0.0] and got[2, 3].item() == 0.0
     weights = torch.randn(3, 4, generator=torch.Generator().manual_seed(5))
@@ -241,3 +221,13 @@ def test_sampling_is_seeded() -> None:
     c, _ = gumbel_top_m(scores, 4, 0.5, generator=torch.Generator().manual_seed(10))
     assert torch.equal(a, b) and torch.equal(na, nb)
     assert not torch.equal(a, c)
+
+
+def test_plackett_luce_logp_keeps_float64_scores_in_float64() -> None:
+    """A float64 caller gets float64 log-probabilities (not a silent float32 cast), equal to the loop's."""
+    scores = torch.randn(2, 7, generator=torch.Generator().manual_seed(6), dtype=torch.float64) * 30
+    chosen = torch.tensor([[6, 2, 0], [1, 4, -1]])
+    got = plackett_luce_logp(scores, chosen, 0.01)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, naive_pl_logp(scores, chosen, 0.01), rtol=0, atol=1e-12)
+    assert not torch.equal(got, plackett_luce_logp(scores.float(), chosen, 0.01).double())  # τ=0.01: float32 rounds

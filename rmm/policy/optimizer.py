@@ -79,14 +79,14 @@ def _direct_step(optimizer: torch.optim.Optimizer, calls: list[tuple[list, tuple
         torch._foreach_add_(steps, 1)
         try:
             _fused_adam_kernel(args, kwargs)
-        except Exception as exc:  # noqa: BLE001 — a failing private call means: use the public one
+        except Exception as exc:
             torch._foreach_sub_(steps, 1)  # whole numbers in float: the counts are what they were, exactly
             _direct_disabled = True
             log.warning("fused Adam's kernel called directly failed (%s: %s); optimizer.step() from now on",
                         type(exc).__name__, exc)
             if i:  # earlier groups already stepped: step() would step them twice
-                raise RuntimeError("fused Adam's kernel failed on parameter group %d after stepping the "
-                                   "groups before it; the optimizer is part-stepped" % i) from exc
+                raise RuntimeError(f"fused Adam's kernel failed on parameter group {i} after stepping the "
+                                   "groups before it; the optimizer is part-stepped") from exc
             optimizer.step()
             return
 
