@@ -31,29 +31,13 @@ from rmm.data import load_dataset
 from rmm.encoders.passage_cache import attach_cache
 from rmm.eval.benchmark_bank import open_retriever
 from rmm.eval.retrieval import GoldScorer, headroom_captured, scorable
+from rmm.policy.sampling import gumbel_top_m, plackett_luce_logp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reranker_ceiling import ALL_FEATURES, FeatureReranker, collect, stack
 from reranker_features import feature_names
 
 log = logging.getLogger("reranker_online_features")
-
-
-def gumbel_top_m(logits: torch.Tensor, m: int, gen: torch.Generator) -> torch.Tensor:
-    """Ordered Plackett–Luce sample of m indices per row (Gumbel-perturbed top-m)."""
-    u = torch.rand(logits.shape, generator=gen).clamp(1e-12, 1 - 1e-12)
-    return (logits - torch.log(-torch.log(u))).topk(m, dim=1).indices
-
-
-def plackett_luce_logp(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """log π of each pick given the picks before it, `[B, M]`."""
-    taken = torch.zeros_like(logits, dtype=torch.bool)
-    out = []
-    for j in range(chosen.shape[1]):
-        masked = logits.masked_fill(taken, float("-inf"))
-        out.append(masked.gather(1, chosen[:, j:j + 1]).squeeze(1) - torch.logsumexp(masked, 1))
-        taken = taken.scatter(1, chosen[:, j:j + 1], True)
-    return torch.stack(out, 1)
 
 
 def simulated_cites(hits: torch.Tensor, precision: float, recall: float, gen: torch.Generator) -> torch.Tensor:
@@ -96,11 +80,11 @@ def run(spec: str, args: argparse.Namespace, rows, order: list[int], headline: t
             scored = headline[idx]
             rer_hits += (label.gather(1, greedy).sum(1) / n_gold).clamp(max=1)[scored].tolist()
             base_hits += (label[:, : args.m].sum(1) / n_gold).clamp(max=1)[scored].tolist()
-            chosen = gumbel_top_m(s / args.tau, args.m, gen)
+            chosen, _ = gumbel_top_m(s, args.m, args.tau, gen)
         cited = simulated_cites(label.gather(1, chosen), args.precision, args.recall, gen)
         rewards = cited.float() * 2 - 1
         baseline = reward_sum / reward_count if reward_count else 0.0
-        logp = plackett_luce_logp(model(q, m, fused, f) / args.tau, chosen)
+        logp = plackett_luce_logp(model(q, m, fused, f), chosen, args.tau)
         loss = -((rewards - baseline) * logp).sum(1).mean()
         opt.zero_grad()
         loss.backward()
