@@ -54,18 +54,21 @@ def simulated_cites(hits: torch.Tensor, precision: float, recall: float, gen: to
 def run(spec: str, args: argparse.Namespace, rows, order: list[int], headline: torch.Tensor) -> dict:
     """One online run over the stream; prequential recall@M of the first stage and the reranker."""
     parts = spec.split(":")
-    options = set(parts[1:])
+    options = {o for o in parts[1:] if "=" not in o}
+    values = dict(o.split("=", 1) for o in parts[1:] if "=" in o)  # lr=, flr=, w0=, tau= override the flags
+    lr, feature_lr = float(values.get("lr", args.lr)), float(values.get("flr", args.feature_lr))
+    w0, tau = float(values.get("w0", args.lexical_init)), float(values.get("tau", args.tau))
     names = [n for n in feature_names(parts[0].split("+")) if n != args.base_feature]
     cols = [ALL_FEATURES.index(n) for n in names]
     fused_col = ALL_FEATURES.index(args.base_feature)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(args.seed)
-    model = FeatureReranker(rows.q.shape[1], len(cols), args.lexical_init, "nores" not in options,
+    model = FeatureReranker(rows.q.shape[1], len(cols), w0, "nores" not in options,
                             args.mlp_hidden if "mlp" in options else 0)
     groups = [{"params": [model.w_fused, model.w] + ([] if model.mlp is None else list(model.mlp.parameters())),
-               "lr": args.feature_lr}]
+               "lr": feature_lr}]
     if "nores" not in options:
-        groups.append({"params": [model.w_q, model.w_m], "lr": args.lr})
+        groups.append({"params": [model.w_q, model.w_m], "lr": lr})
     opt = torch.optim.Adam(groups)
     reward_sum, reward_count = 0.0, 0
     base_hits, rer_hits = [], []
@@ -80,11 +83,11 @@ def run(spec: str, args: argparse.Namespace, rows, order: list[int], headline: t
             scored = headline[idx]
             rer_hits += (label.gather(1, greedy).sum(1) / n_gold).clamp(max=1)[scored].tolist()
             base_hits += (label[:, : args.m].sum(1) / n_gold).clamp(max=1)[scored].tolist()
-            chosen, _ = gumbel_top_m(s, args.m, args.tau, gen)
+            chosen, _ = gumbel_top_m(s, args.m, tau, gen)
         cited = simulated_cites(label.gather(1, chosen), args.precision, args.recall, gen)
         rewards = cited.float() * 2 - 1
         baseline = reward_sum / reward_count if reward_count else 0.0
-        logp = plackett_luce_logp(model(q, m, fused, f), chosen, args.tau)
+        logp = plackett_luce_logp(model(q, m, fused, f), chosen, tau)
         loss = -((rewards - baseline) * logp).sum(1).mean()
         opt.zero_grad()
         loss.backward()
@@ -95,7 +98,7 @@ def run(spec: str, args: argparse.Namespace, rows, order: list[int], headline: t
     ceiling = mean((rows.label.sum(1) / rows.n_gold).clamp(max=1)[headline].tolist())
     base, rer = mean(base_hits), mean(rer_hits)
     share = headroom_captured(rer, base, ceiling)
-    return {"spec": spec, "questions": len(order), "scored": len(base_hits), "base": base, "reranked": rer, "lift": rer - base,
+    return {"spec": spec, "lr": lr, "feature_lr": feature_lr, "w0": w0, "tau": tau, "questions": len(order), "scored": len(base_hits), "base": base, "reranked": rer, "lift": rer - base,
             "lift_second_half": mean(rer_hits[half:]) - mean(base_hits[half:]), "ceiling": ceiling,
             "headroom": None if share is None else 100 * share, "cpu_s": time.process_time() - start,
             "w_fused": round(float(model.w_fused.detach()), 3),
@@ -108,7 +111,8 @@ def main() -> None:
     parser.add_argument("--retriever", default="hybrid")
     parser.add_argument("--limit", type=int, default=3000, help="the first N questions of the training stream")
     parser.add_argument("--specs", nargs="+", default=["fused", "all"], metavar="SPEC",
-                        help="GROUP[+GROUP...][:nores][:mlp] as in reranker_ceiling.py --features")
+                        help="GROUP[+GROUP...][:nores][:mlp][:lr=X][:flr=X][:w0=X][:tau=X] as in "
+                             "reranker_ceiling.py --features; lr/flr/w0/tau override the flags for that spec")
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--m", type=int, default=5)
     parser.add_argument("--tau", type=float, default=0.05)
@@ -151,8 +155,7 @@ def main() -> None:
              os.getloadavg()[0])
     for spec in args.specs:
         r = run(spec, args, rows, order, headline)
-        r.update(dataset=args.dataset, retriever=args.retriever, base_feature=args.base_feature, tau=args.tau, lr=args.lr,
-                 feature_lr=args.feature_lr, lexical_init=args.lexical_init, limit=args.limit,
+        r.update(dataset=args.dataset, retriever=args.retriever, base_feature=args.base_feature, limit=args.limit,
                  load=os.getloadavg()[0])
         log.info("%-22s prequential R@%d %.1f → %.1f (%+.1f; 2nd half %+.1f)  R@%d %.1f  headroom %s  "
                  "w_fused %.2f  %.0f s CPU  load %.1f", spec, args.m, r["base"], r["reranked"], r["lift"],
