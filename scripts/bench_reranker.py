@@ -57,6 +57,7 @@ from rmm.types import Candidates
 log = logging.getLogger("bench_reranker")
 
 K, M, BATCH = 20, 5, 4
+DEFAULT_SIZES = (600, 10_000)
 
 
 STATISTIC: Callable[[list[float]], float] = statistics.median
@@ -175,6 +176,12 @@ REPORTED = ("explore_select", "update_batch", "turn")
 
 def export_tree(revision: str, folder: Path) -> Path:
     """`rmm` and `kernels` as of `revision`, laid out as installed (`kernels` → `rmm.kernels`) under `folder`."""
+    for path in ("rmm", "kernels"):  # a clear refusal, not git archive's pathspec error
+        found = subprocess.run(["git", "cat-file", "-e", f"{revision}:{path}"], cwd=ROOT, capture_output=True,
+                               check=False)
+        if found.returncode:
+            raise SystemExit(f"--baseline {revision}: no {path}/ folder at that revision (or no such revision); "
+                             "the baseline must have rmm/ and kernels/ (from the commit that added kernels/ on)")
     archive = subprocess.run(["git", "archive", "--format=tar", revision, "rmm", "kernels"], cwd=ROOT,
                              capture_output=True, check=True).stdout
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
@@ -195,8 +202,9 @@ def run_side(tree: Path | None, args: argparse.Namespace) -> dict[str, dict[str,
     done = subprocess.run(command, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     expected = (tree or ROOT).resolve()
-    if not Path(result["rmm"]).resolve().is_relative_to(expected):
-        raise SystemExit(f"a worker imported rmm from {result['rmm']}, not from {expected}")
+    for package in ("rmm", "kernels"):  # an editable install's mapping could serve another tree's kernels
+        if not Path(result[package]).resolve().is_relative_to(expected):
+            raise SystemExit(f"a worker imported {package} from {result[package]}, not from {expected}")
     return result["dims"]
 
 
@@ -231,11 +239,13 @@ def compare(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[384, 768])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[600, 10_000])
+    parser.add_argument("--sizes", type=int, nargs="+", help=f"bank sizes N for the retrieval side "
+                        f"(default {' '.join(map(str, DEFAULT_SIZES))}; not with --baseline)")
     parser.add_argument("--turns", type=int, default=200, help="turns per timed repetition")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = leave as is)")
-    parser.add_argument("--with-encoder", action="store_true", help="also time MiniLM query encoding (384-d)")
+    parser.add_argument("--with-encoder", action="store_true",
+                        help="also time MiniLM query encoding (384-d; not with --baseline)")
     parser.add_argument("--statistic", choices=["median", "min"], default="median",
                         help="min = least-disturbed repetition, for a machine shared with other work")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -246,6 +256,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="old/new process pairs with --baseline")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one side of --baseline
     args = parser.parse_args()
+    if args.baseline and (args.with_encoder or args.sizes):
+        parser.error("--baseline times only the reranker: drop --with-encoder and --sizes")
     global STATISTIC, CLOCK
     STATISTIC = min if args.statistic == "min" else statistics.median
     if args.clock == "cpu" and args.threads != 1:
@@ -256,14 +268,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.worker:
-        import rmm
+        import rmm.kernels
 
         dims = {str(dim): bench_reranker(dim, args.turns, args.repeats) for dim in args.dims}
-        print(json.dumps({"rmm": rmm.__file__, "dims": dims}))
+        print(json.dumps({"rmm": rmm.__file__, "kernels": rmm.kernels.__file__, "dims": dims}))
         return
     if args.baseline:
         compare(args)
         return
+    sizes = args.sizes or DEFAULT_SIZES
 
     encode_us = bench_encoder(args.turns, args.repeats) if args.with_encoder else None
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -276,7 +289,7 @@ def main() -> None:
     print("-" * len(header))
     for dim in args.dims:
         rr = bench_reranker(dim, args.turns, args.repeats)
-        for n in args.sizes:
+        for n in sizes:
             search_us, label = bench_retrieval(dim, n, args.turns, args.repeats)
             enc = encode_us if dim == 384 else None
             retrieval = search_us + (enc or 0.0)
