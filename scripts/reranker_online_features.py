@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -51,7 +52,7 @@ def simulated_cites(hits: torch.Tensor, precision: float, recall: float, gen: to
     return torch.rand(hits.shape, generator=gen) < p
 
 
-def run(spec: str, args: argparse.Namespace, rows, order: list[int], headline: torch.Tensor) -> dict:
+def run(spec: str, args: argparse.Namespace, rows, order: list[int], headline: torch.Tensor, check=None) -> dict:
     """One online run over the stream; prequential recall@M of the first stage and the reranker."""
     parts = spec.split(":")
     options = {o for o in parts[1:] if "=" not in o}
@@ -93,12 +94,24 @@ def run(spec: str, args: argparse.Namespace, rows, order: list[int], headline: t
         loss.backward()
         opt.step()
         reward_sum, reward_count = reward_sum + float(rewards.sum()), reward_count + rewards.numel()
+    unseen = {}
+    if check is not None:
+        with torch.no_grad():
+            s = model(check.q, check.m, check.feats[..., fused_col], check.feats[..., cols])
+        u_base = 100 * float((check.label[:, : args.m].sum(1) / check.n_gold).clamp(max=1).mean())
+        u_rer = 100 * float((check.label.gather(1, s.topk(args.m, dim=1).indices).sum(1) / check.n_gold)
+                            .clamp(max=1).mean())
+        u_ceiling = 100 * float((check.label.sum(1) / check.n_gold).clamp(max=1).mean())
+        u_share = headroom_captured(u_rer, u_base, u_ceiling)
+        unseen = {"unseen_questions": len(check.q), "unseen_base": u_base, "unseen_reranked": u_rer,
+                  "unseen_lift": u_rer - u_base, "unseen_ceiling": u_ceiling,
+                  "unseen_headroom": None if u_share is None else 100 * u_share}
     half = len(base_hits) // 2
     mean = lambda xs: 100 * sum(xs) / len(xs)
     ceiling = mean((rows.label.sum(1) / rows.n_gold).clamp(max=1)[headline].tolist())
     base, rer = mean(base_hits), mean(rer_hits)
     share = headroom_captured(rer, base, ceiling)
-    return {"spec": spec, "lr": lr, "feature_lr": feature_lr, "w0": w0, "tau": tau, "questions": len(order), "scored": len(base_hits), "base": base, "reranked": rer, "lift": rer - base,
+    return {**unseen, "spec": spec, "lr": lr, "feature_lr": feature_lr, "w0": w0, "tau": tau, "questions": len(order), "scored": len(base_hits), "base": base, "reranked": rer, "lift": rer - base,
             "lift_second_half": mean(rer_hits[half:]) - mean(base_hits[half:]), "ceiling": ceiling,
             "headroom": None if share is None else 100 * share, "cpu_s": time.process_time() - start,
             "w_fused": round(float(model.w_fused.detach()), 3),
@@ -128,6 +141,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling and citer noise (not the split)")
     parser.add_argument("--depth", type=int, default=50)
     parser.add_argument("--prefix-strip", action="store_true")
+    parser.add_argument("--unseen-fraction", type=float, default=0.0,
+                        help="keep this share of the training users out of the stream and score them after it "
+                             "with the final weights (0.3 = reranker_ceiling.py's unseen users)")
     parser.add_argument("--out", default=None, help="append one JSON line per spec")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -138,29 +154,45 @@ def main() -> None:
     attach_cache(opened.retriever.encoder)
     scorer = GoldScorer.for_dataset(dataset, "turn")
     split = split_questions(dataset, scorable(dataset.questions, scorer), OnlineConfig())
-    stream = split.train[: args.limit]  # rmm train's stream order; held-out users are never searched
+    unseen: list[str] = []
+    if args.unseen_fraction:  # the same unseen training users as reranker_ceiling.py's 70/30 split
+        shuffled = sorted({q.user_id for q in split.train})
+        random.Random(0).shuffle(shuffled)
+        unseen = shuffled[round(len(shuffled) * (1 - args.unseen_fraction)):]
+    stream = [q for q in split.train if q.user_id not in set(unseen)][: args.limit]  # rmm train's order
     users = list(dict.fromkeys(q.user_id for q in stream))
+    held_back = [q for q in split.train if q.user_id in set(unseen)]
     limited = argparse.Namespace(**vars(args))
-    split.train = stream
+    split.train = stream + held_back
     # the whole stream is learned from (as rmm train does); figures are read on the headline questions
-    by_user = collect(limited, dataset, opened.retriever, scorer, split, users, with_features=True, keep_separate=True)
+    by_user = collect(limited, dataset, opened.retriever, scorer, split, users + unseen, with_features=True,
+                      keep_separate=True)
     flat = [r for u in users for r in by_user.get(u, [])]
     rows = stack(flat)
     headline = torch.tensor([r[5] for r in flat])
     order = list(range(len(rows.q)))
+    check = None
+    if unseen:  # scored greedily after the stream, by the final weights: users the learner never saw
+        check_flat = [r for u in unseen for r in by_user.get(u, []) if r[5]]
+        check = stack(check_flat)
     log.info("# %s · %s · online prototype on the first %d training questions (%d users, %d with %d candidates) · "
              "w0·%s, w0 %g, τ %g lr %g feature lr %g · held-out users never read · load %.1f", args.dataset, args.retriever,
              len(stream), len(users), len(order), args.k, args.base_feature, args.lexical_init, args.tau, args.lr,
              args.feature_lr,
              os.getloadavg()[0])
     for spec in args.specs:
-        r = run(spec, args, rows, order, headline)
+        r = run(spec, args, rows, order, headline, check)
         r.update(dataset=args.dataset, retriever=args.retriever, base_feature=args.base_feature, limit=args.limit,
                  load=os.getloadavg()[0])
         log.info("%-22s prequential R@%d %.1f → %.1f (%+.1f; 2nd half %+.1f)  R@%d %.1f  headroom %s  "
                  "w_fused %.2f  %.0f s CPU  load %.1f", spec, args.m, r["base"], r["reranked"], r["lift"],
                  r["lift_second_half"], args.k, r["ceiling"],
                  "n/a" if r["headroom"] is None else f"{r['headroom']:.0f}%", r["w_fused"], r["cpu_s"], r["load"])
+        if "unseen_lift" in r:
+            log.info("%-22s unseen training users (%d questions, final weights) R@%d %.1f → %.1f (%+.1f)  "
+                     "R@%d %.1f  headroom %s", "", r["unseen_questions"], args.m, r["unseen_base"],
+                     r["unseen_reranked"], r["unseen_lift"], args.k, r["unseen_ceiling"],
+                     "n/a" if r["unseen_headroom"] is None else f"{r['unseen_headroom']:.0f}%")
         if args.out:
             with open(args.out, "a") as out:
                 out.write(json.dumps(r) + "\n")
