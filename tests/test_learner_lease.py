@@ -74,20 +74,18 @@ def holder(db: PgDatabase) -> int | None:
         return learner_holder(cur, db.where.schema)
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0, what: str = "timed out",
+             every: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+        assert time.monotonic() < deadline, what
+        time.sleep(every)
 
 
 def released(db: PgDatabase, timeout: float = 5.0) -> None:
     """Wait until the server has ended the learner's session (a closed socket is not yet a released
     lock; a lease tries again a second later, a test waits for exactly that moment)."""
-    deadline = time.monotonic() + timeout
-    while holder(db) is not None:
-        assert time.monotonic() < deadline, "the learner lock was not released"
-        time.sleep(0.01)
+    wait_for(lambda: holder(db) is None, timeout, "the learner lock was not released", every=0.01)
 
 
 def test_a_follower_tries_on_one_connection_and_takes_the_lock_on_it_when_the_learner_goes(
@@ -112,13 +110,12 @@ def terminate(db: PgDatabase, conn: psycopg.Connection[Any] | None) -> None:
     pid = conn.info.backend_pid
     with db.tx() as cur:
         cur.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    deadline = time.monotonic() + 5.0
-    while True:  # gone from the server (the client's socket does not know yet)
+
+    def gone() -> bool:  # from the server (the client's socket does not know yet)
         with db.tx() as cur:
-            if cur.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() == (0,):
-                return
-        assert time.monotonic() < deadline, "the terminated session is still there"
-        time.sleep(0.01)
+            return cur.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() == (0,)
+
+    wait_for(gone, 5.0, "the terminated session is still there", every=0.01)
 
 
 def test_a_try_connection_that_died_while_idle_is_replaced_within_the_same_try(
