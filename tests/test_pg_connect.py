@@ -15,11 +15,11 @@ def test_a_full_pool_is_exhaustion_naming_pool_max_not_an_unreachable_server(pg_
         with db.tx() as cur:  # the pool's one connection, held
             with pytest.raises(DatabasePoolExhaustedError, match=r"pool_max") as caught, db.tx():
                 pass
-            assert "unreachable" not in str(caught.value) and "all 1 of" in str(caught.value)
+            assert "unreachable" not in str(caught.value) and "all 1 connections in use" in str(caught.value)
             assert cur.execute("SELECT 1").fetchone() == (1,)  # the holder is unharmed
         with db.tx() as cur:  # given back: the next transaction gets it
             assert cur.execute("SELECT 2").fetchone() == (2,)
-        assert db._lent == 0
+        assert db.pool.get_stats()["pool_available"] == 1
     finally:
         db.close()
 
@@ -36,3 +36,13 @@ def test_database_errors_answer_503_with_their_own_codes() -> None:
     down = error_response(DatabaseUnavailableError("PostgreSQL at x is unreachable"))
     assert (busy.status_code, busy.body) == (503, b'{"detail":"no free PostgreSQL connection","code":"database_busy"}')
     assert down.status_code == 503 and b'"code":"database_unavailable"' in down.body
+
+
+def test_pooled_connections_carry_tcp_keepalives(pg_url: str) -> None:
+    db = PgDatabase(pg_url, pool_min=1, pool_max=1, pool_timeout_s=2.0)
+    try:
+        with db.pool.connection() as conn:
+            assert conn.info.get_parameters().get("keepalives") == "1"
+            assert conn.info.get_parameters().get("keepalives_idle") == "5"
+    finally:
+        db.close()

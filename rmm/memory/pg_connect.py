@@ -53,6 +53,8 @@ MIGRATIONS = Path(__file__).resolve().parent / "migrations" / "postgresql"
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 _SETUP_LOCK_KEY = 0x726D6D5F7365  # "rmm_se": serialises schema set-up across processes, database-wide
 _CONNECT_TIMEOUT_S = 10
+# The learner lease's keepalives (rmm/serve/learner_lease.py): a dead peer is noticed in ~11 s.
+_POOL_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
 _MIGRATION_TABLE = "_yoyo_migration"
 _INSTALL_HINT = "install the PostgreSQL extras: pip install 'rmm[postgres]'"
 
@@ -153,11 +155,10 @@ def database_errors(where: str) -> Iterator[None]:
 
 
 def pool_exhausted(where: str, pool_max: int, exc: BaseException) -> DatabasePoolExhaustedError:
-    """The error for a pool timeout while all `pool_max` connections were lent out (not a lost server)."""
+    """The error for a pool timeout while the pool was at its full `pool_max` size (not a lost server)."""
     return DatabasePoolExhaustedError(
-        f"no free PostgreSQL connection for {where}: all {pool_max} of this process's pooled connections stayed in "
-        f"use for the pool timeout ({_one_line(exc)}); raise `database: {{pool_max: N}}` in the serve config "
-        "(within the server's max_connections) or lower the load")
+        f"no free PostgreSQL connection for {where}: all {pool_max} connections in use (slow queries or an "
+        f"unresponsive server) for the pool timeout ({_one_line(exc)}); raise database.pool_max if it is load")
 
 
 def _lost_connection(exc: BaseException) -> bool:
@@ -308,7 +309,11 @@ def open_pool(location: PostgresLocation, options: str, *, min_size: int, max_si
     def configure(conn: psycopg.Connection[Any]) -> None:
         register_vector(conn)
 
-    kwargs: dict[str, Any] = {"autocommit": True, "options": options}
+    # TCP keepalives (as the learner lease's connection has): a pooled connection whose server or
+    # network died fails within seconds instead of hanging a request until the OS gives up.
+    # A URL's own keepalive settings win.
+    kwargs: dict[str, Any] = {"autocommit": True, "options": options,
+                              **{k: v for k, v in _POOL_KEEPALIVE.items() if k not in location.params}}
     if "connect_timeout" not in location.params:
         kwargs["connect_timeout"] = _CONNECT_TIMEOUT_S
     pool = ConnectionPool(location.conninfo, min_size=min_size, max_size=max_size, kwargs=kwargs,

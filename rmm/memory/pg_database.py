@@ -52,8 +52,6 @@ class PgDatabase:
         self.pool = open_pool(self.where, self.options, min_size=pool_min, max_size=pool_max, timeout_s=pool_timeout_s)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._lent = 0  # pooled connections out right now (`_connection`)
-        self._lent_lock = threading.Lock()
 
     @property
     def location(self) -> str:
@@ -72,21 +70,16 @@ class PgDatabase:
 
     @contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled connection, counted while lent out: a pool timeout with every connection out is
-        this process's pool running short (`pool_max`), not the server going away."""
+        """A pooled connection. A pool timeout while the pool is at full size (`pool_max`) is this
+        process's pool running short, not the server going away. The pool's own state decides it:
+        a count of ours, read after the timeout, could see a connection handed back at that moment."""
         from psycopg_pool import PoolTimeout
 
         try:
             with self.pool.connection() as conn:
-                with self._lent_lock:
-                    self._lent += 1
-                try:
-                    yield conn
-                finally:
-                    with self._lent_lock:
-                        self._lent -= 1
+                yield conn
         except PoolTimeout as exc:  # only this getconn's: a nested tx() has mapped its own already
-            if self._lent >= self.pool.max_size:
+            if self.pool.get_stats().get("pool_size", 0) >= self.pool.max_size:
                 raise pool_exhausted(self.location, self.pool.max_size, exc) from exc
             raise
 
