@@ -3,6 +3,8 @@ and both database errors answer HTTP 503 (retry later), not 422 (your request is
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from rmm.memory.pg_connect import DatabasePoolExhaustedError, DatabaseUnavailableError
@@ -28,14 +30,18 @@ def test_the_default_pool_covers_what_two_pools_did() -> None:
     assert DEFAULT_POOL_MAX == 14  # 8 (memories) + 6 (server state) before they became one pool
 
 
-def test_database_errors_answer_503_with_their_own_codes() -> None:
+def test_database_errors_answer_503_with_their_own_codes(caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("fastapi")
     from rmm.serve.http_errors import error_response
 
+    caplog.set_level(logging.WARNING, logger="rmm.serve.http_errors")
     busy = error_response(DatabasePoolExhaustedError("no free PostgreSQL connection"))
     down = error_response(DatabaseUnavailableError("PostgreSQL at x is unreachable"))
     assert (busy.status_code, busy.body) == (503, b'{"detail":"no free PostgreSQL connection","code":"database_busy"}')
     assert down.status_code == 503 and b'"code":"database_unavailable"' in down.body
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records]  # the operator sees what the client got
+    assert (logging.WARNING, "answered 503 database_busy: no free PostgreSQL connection") in logged
+    assert (logging.WARNING, "answered 503 database_unavailable: PostgreSQL at x is unreachable") in logged
 
 
 def test_pooled_connections_carry_tcp_keepalives(pg_url: str) -> None:

@@ -75,6 +75,9 @@ def error_response(exc: BaseException) -> JSONResponse:
     """The answer to a typed error; an unexpected one is logged and answered 500 without details."""
     for cls, status, code in ERRORS:
         if isinstance(exc, cls):
+            if isinstance(exc, DatabasePoolExhaustedError | DatabaseUnavailableError):
+                # the operator's problem, not the client's: the client sees only a 503
+                log.warning("answered %d %s: %s", status, code, exc)
             return json_error(status, code, str(exc))
     if isinstance(exc, RmmError | ValueError):
         return json_error(422, "bad_request", str(exc))
