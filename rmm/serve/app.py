@@ -10,7 +10,8 @@ tenants answer 404 exactly like ids that never existed, and no answer shows the 
 user/memory/selection/job or path, 405 wrong method, 409 duplicate memory id or feedback given
 twice, 410 expired selection, 413 body too large, 422 malformed or impossible request (not UTF-8
 or JSON, a lone surrogate or a blank query, naming the field), 500 unexpected (no details), 503
-shutting down. `/health` and `/metrics` (Prometheus text format) need no key and show no
+shutting down, 503 database_busy / database_unavailable (PostgreSQL store: pool full or server
+unreachable; logged at WARNING). `/health` and `/metrics` (Prometheus text format) need no key and show no
 tenant's data.
 
 Where things live: bodies in `schemas`, routes in `routes/` (one router per resource), the
