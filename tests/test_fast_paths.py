@@ -35,7 +35,7 @@ import rmm.policy.learner as learner_module
 import rmm.policy.optimizer as optimizer_module
 import rmm.policy.reranker as reranker_module
 from rmm.policy.learner import Learner, LearnerConfig
-from rmm.policy.optimizer import _direct_fused_adam, optimizer_step
+from rmm.policy.optimizer import OptimizerStepError, _direct_fused_adam, optimizer_step
 from rmm.policy.reranker import PolicyTaps, ResidualLinearReranker
 from rmm.policy.rewarded import RewardedSelection
 from rmm.types import Candidates, Selection
@@ -435,6 +435,33 @@ def test_a_failing_direct_kernel_leaves_what_step_does(monkeypatch: pytest.Monke
     assert optimizer_module._direct_disabled and len(caplog.records) == 1
     _assert_same(ours, opt, theirs, ref)
     assert [float(s["step"]) for s in opt.state.values()] == [12.0, 12.0, 11.0]
+
+
+def test_a_kernel_failing_after_the_first_group_raises_optimizer_step_error_and_still_bumps_versions(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group 0 stepped, group 1's kernel refused: the part-applied step is a dedicated error (a learner
+    must stop, not set the feedback row aside) and every stepped weight's version counter moved."""
+    monkeypatch.setattr(optimizer_module, "_direct_disabled", False)
+    real = optimizer_module._fused_adam_kernel
+    calls = {"kernel": 0}
+
+    def fails_on_group_1(args: tuple, kwargs: dict) -> None:
+        calls["kernel"] += 1
+        if calls["kernel"] == 2:
+            raise RuntimeError("kernel refused group 1")
+        real(args, kwargs)
+
+    ours, opt = _two_groups(0)
+    for p in ours:
+        p.grad = torch.ones_like(p)
+    optimizer_step(opt)  # makes the states through step(): the next call goes direct
+    monkeypatch.setattr(optimizer_module, "_fused_adam_kernel", fails_on_group_1)
+    before = [p._version for p in ours]
+    with pytest.raises(OptimizerStepError, match="parameter group 1"):
+        optimizer_step(opt)
+    assert calls["kernel"] == 2
+    assert all(after > was for after, was in zip((p._version for p in ours), before))
+    assert issubclass(OptimizerStepError, RuntimeError)
 
 
 def test_optimizer_step_moves_the_version_counters_fused_adam_leaves() -> None:

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -100,6 +101,7 @@ def test_a_follower_tries_on_one_connection_and_takes_the_lock_on_it_when_the_le
     assert follower.lease.try_acquire() and follower.lease.is_learner  # at its next try
     assert follower.connects == 1  # on the connection it already had
     assert holder(follower.db) == os.getpid() and follower.lease.stats.acquisitions == 1
+    leader.lease._thread.stopping.clear()  # back, as a restarted replica (a stopped lease tries nothing)
     assert not leader.lease.try_acquire()  # the old learner, back, follows
     assert leader.connects == 2
 
@@ -174,10 +176,55 @@ def test_the_lease_thread_rides_out_a_lost_idle_connection_without_a_warning(
 def test_a_stop_that_began_during_a_try_gives_a_just_taken_lock_back(pg_url: str, replicas: list[Replica]) -> None:
     replica = Replica(pg_url)
     replicas.append(replica)
-    replica.lease._thread.stopping.set()  # stop() has begun while this try was under way
+    connect = replica.db.dedicated
+
+    def stop_while_connecting(**params: Any) -> psycopg.Connection[Any]:
+        replica.lease._thread.stopping.set()  # stop() has begun while this try was under way
+        return connect(**params)
+
+    replica.db.dedicated = stop_while_connecting  # type: ignore[method-assign]
     assert not replica.lease.try_acquire()
+    assert replica.connects == 1
     assert not replica.lease.is_learner and replica.lease._idle is None and replica.lease.stats.acquisitions == 0
     released(replica.db)
+
+
+def test_a_try_after_stop_began_opens_no_connection(pg_url: str, replicas: list[Replica]) -> None:
+    """stop() closed the kept connection under the thread: the next try does not reconnect (and take and
+    give back the lock) just to see that it is stopping."""
+    replica = Replica(pg_url)
+    replicas.append(replica)
+    replica.lease._thread.stopping.set()
+    assert not replica.lease.try_acquire()
+    assert replica.connects == 0 and replica.lease._idle is None and not replica.lease.is_learner
+
+
+def test_a_part_applied_optimizer_step_stops_the_round_instead_of_setting_the_row_aside(
+        pg_url: str, replicas: list[Replica], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A learner whose step failed half way is at fault, not the feedback row: the row is not set aside
+    as unlearnable, the round raises, and the touched reranker is dropped when the lease is lost."""
+    import rmm.serve.learner_lease as lease_module
+    from rmm.policy.optimizer import OptimizerStepError
+
+    replica = Replica(pg_url)
+    replicas.append(replica)
+    assert replica.lease.try_acquire()
+    row = SimpleNamespace(seq=7, rewards=[1.0], selection=SimpleNamespace(reranker_key="t:u"))
+    skipped: list[int] = []
+
+    class HalfStepped:
+        stats = SimpleNamespace(updates=0)
+
+        def record(self, *_: object) -> None:
+            raise OptimizerStepError("fused Adam's kernel failed on parameter group 1")
+
+    monkeypatch.setattr(lease_module, "unapplied_feedback", lambda cur, exclude, limit: [row])
+    monkeypatch.setattr(lease_module, "rebuild", lambda selection: selection)
+    monkeypatch.setattr(lease_module, "skip_unlearnable", lambda cur, seq, why: skipped.append(seq))
+    monkeypatch.setattr(replica.lease.registry, "get", lambda key: HalfStepped())
+    with pytest.raises(OptimizerStepError):
+        replica.lease.apply_pending()
+    assert skipped == [] and "t:u" in replica.lease._touched
 
 
 def test_a_lease_thread_that_outlives_stop_closes_its_own_connections(pg_url: str, replicas: list[Replica]) -> None:

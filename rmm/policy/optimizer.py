@@ -15,7 +15,7 @@ from torch.autograd.graph import increment_version
 from rmm.policy.recipes import LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
 
-__all__ = ["LEXICAL_LR_SCALE", "make_optimizer", "optimizer_step", "param_groups"]
+__all__ = ["LEXICAL_LR_SCALE", "OptimizerStepError", "make_optimizer", "optimizer_step", "param_groups"]
 
 # The lexical weight's step relative to lr (`param_groups`). On LoCoMo's training conversations
 # (prequential recall@5 of rmm train --retriever hybrid) ×10 and ×30 learned w to 0.42–0.57 from a start
@@ -23,6 +23,13 @@ __all__ = ["LEXICAL_LR_SCALE", "make_optimizer", "optimizer_step", "param_groups
 LEXICAL_LR_SCALE = 1.0
 
 log = logging.getLogger(__name__)
+
+
+
+class OptimizerStepError(RuntimeError):
+    """A step applied to some parameter groups and not others: the learner's state, not a feedback row,
+    is at fault, so a caller that sets bad rows aside (`rmm.serve.learner_lease`) must stop instead."""
+
 
 # Set once a direct call of fused Adam's kernel failed: this process steps through `step()` from then on.
 _direct_disabled = False
@@ -63,11 +70,13 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     (a torch without the private names it uses, or a kernel that refuses its arguments).
     """
     calls = None if _direct_disabled else _direct_fused_adam(optimizer)
-    if calls is None:
-        optimizer.step()
-    else:
-        _direct_step(optimizer, calls)
-    _bump_versions(optimizer)
+    try:
+        if calls is None:
+            optimizer.step()
+        else:
+            _direct_step(optimizer, calls)
+    finally:  # a part-applied step too: a cache keyed on `_version` must not outlive weights that moved
+        _bump_versions(optimizer)
 
 
 def _direct_step(optimizer: torch.optim.Optimizer, calls: list[tuple[list, tuple, dict[str, Any]]]) -> None:
@@ -85,7 +94,7 @@ def _direct_step(optimizer: torch.optim.Optimizer, calls: list[tuple[list, tuple
             log.warning("fused Adam's kernel called directly failed (%s: %s); optimizer.step() from now on",
                         type(exc).__name__, exc)
             if i:  # earlier groups already stepped: step() would step them twice
-                raise RuntimeError(f"fused Adam's kernel failed on parameter group {i} after stepping the "
+                raise OptimizerStepError(f"fused Adam's kernel failed on parameter group {i} after stepping the "
                                    "groups before it; the optimizer is part-stepped") from exc
             optimizer.step()
             return

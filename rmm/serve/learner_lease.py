@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rmm.memory.pg_database import PgDatabase
+from rmm.policy.optimizer import OptimizerStepError
 from rmm.policy.pg_versions import RerankerVersions, learner_to_bytes
 from rmm.policy.registry import LearnerRegistry
 from rmm.serve.background import Background
@@ -153,8 +154,9 @@ class SharedLearning:
                     next_reload = now + self.reload_interval_s
                     self.reload()
             except Exception as exc:  # a lost database or connection: drop the role, keep serving, retry
-                log.warning("shared learning round failed (%s: %s); retrying", type(exc).__name__,
-                            " ".join(str(exc).split())[:300], exc_info=log.isEnabledFor(logging.DEBUG))
+                log.log(logging.ERROR if isinstance(exc, OptimizerStepError) else logging.WARNING,
+                        "shared learning round failed (%s: %s); retrying", type(exc).__name__,
+                        " ".join(str(exc).split())[:300], exc_info=log.isEnabledFor(logging.DEBUG))
                 self._lose_lease()
             wait = self.apply_every_s if self._conn is not None else min(next_try, next_reload) - time.monotonic()
             stopping.wait(max(0.02, wait))
@@ -175,6 +177,8 @@ class SharedLearning:
         while True:
             conn, fresh = self._idle, self._idle is None
             if conn is None:
+                if self._thread.stopping.is_set():  # a stop closed the kept one: no connect just to give it back
+                    return False
                 conn = self._idle = self.db.dedicated(**_KEEPALIVE, application_name=f"{APPLICATION_NAME}:{os.getpid()}")
             try:
                 got = bool(conn.execute("SELECT pg_try_advisory_lock(%s)", (self.lock_key,)).fetchone()[0])  # type: ignore[index]
@@ -220,6 +224,9 @@ class SharedLearning:
                 before = learner.stats.updates
                 try:
                     learner.record(rebuild(row.selection), torch.tensor(row.rewards, dtype=torch.float32))
+                except OptimizerStepError:  # the learner part-stepped, not a bad row: the round stops, row kept
+                    self._touched.add(key)  # so losing the lease drops it: reloaded from the database
+                    raise
                 except (ValueError, TypeError, IndexError, RuntimeError) as exc:  # the row, not the database
                     with conn.transaction(), conn.cursor() as cur:
                         skip_unlearnable(cur, row.seq, f"{type(exc).__name__}: {exc}")
