@@ -12,7 +12,7 @@ from rmm.errors import DimensionMismatchError, RmmError
 from rmm.eval.benchmark_bank import RetrieverName, parse_retriever
 from rmm.memory.bank import MemoryBank
 from rmm.memory.hybrid import HybridRetriever, convex_fuse, rrf_fuse
-from rmm.types import Memory
+from rmm.types import Candidates, Memory
 
 # The "dense" encoder knows concepts, not words: synonyms share a dimension, and a word it does not
 # know (a name such as Pixel) contributes nothing. So dense retrieval finds paraphrases BM25 cannot,
@@ -204,3 +204,14 @@ def test_rmm_eval_and_open_retriever_take_hybrid(tiny_data_dir: Path, tmp_path: 
     (c,) = hybrid.search(["hello"], user, 5)
     assert c.embeddings is not None and c.embeddings.shape == (len(c), hybrid.dim)
     assert len(hybrid.memories(user)) >= len(c)
+
+
+def test_a_memory_below_the_depth_tying_an_all_equal_depth_list_gets_1_not_0(bank: MemoryBank) -> None:
+    """BM25's top-depth scores all equal (span 0 → each 1): a deeper memory with that same score is no
+    worse and gets 1 too; a deeper one with a lower score gets 0; above-depth scaling is unchanged."""
+    hybrid = HybridRetriever(bank, depth=2)
+    tied = Candidates("q", ["a", "b", "c", "d"], torch.tensor([2.0, 2.0, 2.0, 1.0]))
+    assert hybrid.scaled_bm25(tied) == {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0}
+    spread = Candidates("q", ["a", "b", "c"], torch.tensor([3.0, 1.0, 0.5]))
+    assert hybrid.scaled_bm25(spread) == {"a": 1.0, "b": 0.0, "c": 0.0}
+    assert hybrid.scaled_bm25(Candidates("q", ["a", "b"], torch.tensor([3.0, 1.0]))) == {"a": 1.0, "b": 0.0}

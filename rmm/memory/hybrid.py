@@ -249,10 +249,18 @@ class HybridRetriever:
 
     def scaled_bm25(self, lexical: Candidates) -> dict[str, float]:
         """BM25's score min-max scaled over its top `depth` of `lexical` (BM25's list, searched at least
-        that deep); a memory below the depth is left out (its feature is 0). A fixed depth, not the
-        search's k, sets the scale: the same memory gets the same number at any k, in any batch."""
+        that deep), clamped to [0, 1] for what BM25 returned below the depth: 0 for a lower score, and
+        1 for one tying the depth list when that list's scores are all equal (its span 0 → all 1, so a
+        deeper memory with the same score is no worse). A fixed depth, not the search's k, sets the
+        scale: the same memory gets the same number at any k, in any batch."""
         top = self.depth
-        return _min_max(lexical.memory_ids[:top], lexical.retriever_scores[:top].tolist())
+        scores = lexical.retriever_scores.tolist()
+        if not scores:
+            return {}
+        lo, hi = min(scores[:top]), max(scores[:top])
+        span = hi - lo
+        return {m: (1.0 if s >= lo else 0.0) if span == 0 else min(1.0, max(0.0, (s - lo) / span))
+                for m, s in zip(lexical.memory_ids, scores)}
 
     def lexical_feature(self, lexical: Candidates, order: Sequence[str],
                         scaled: dict[str, float] | None = None) -> torch.Tensor:
