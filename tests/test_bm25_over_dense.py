@@ -19,7 +19,7 @@ from test_hybrid import (
     ConceptEncoder,
     bank,  # noqa: F401  (fixture: the concept bank of test_hybrid)
 )
-from test_lexical_feature import TableEncoder
+from test_lexical_feature import Made, TableEncoder, three_turn_dataset
 from test_serve_service import FACTS, make_service, one
 
 from rmm.cli import main
@@ -32,7 +32,7 @@ from rmm.memory.hybrid import HybridRetriever
 from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
 from rmm.serve.records import NewMemory
-from rmm.types import Dataset, Question, Session, Turn
+from rmm.types import Dataset
 
 QUERIES = ["feline", "Pixel the piano cat", "sleeps", "music at night", "nothing matches zzzq"]
 
@@ -127,26 +127,14 @@ def keyword_problem(n_users: int = 3, n_questions: int = 12) -> tuple[Dataset, T
     """Each question names a keyword; two short decoys repeat it (BM25 ranks them first) while the
     gold turn says it once in a long sentence, but only the gold's embedding matches the question's:
     BM25 orders these candidates wrong and a reranker over their embeddings can put them right."""
-    g = torch.Generator().manual_seed(0)
-    table, sessions, questions = {}, {}, []
-    for u in range(n_users):
-        user = f"u{u}"
-        sessions[user] = []
-        for j in range(n_questions):
-            word = f"zq{u}x{j}"
-            topic = torch.nn.functional.normalize(torch.randn(12, generator=g), dim=0)
-            table[f"what about {word}"] = topic
-            texts = [f"{word} came up once in a long story about travel cooking weather and friends",
-                     f"{word} {word} indeed", f"{word} {word} again"]
-            turns = []
-            for i, text in enumerate(texts):
-                table[text] = topic if i == 0 else torch.nn.functional.normalize(torch.randn(12, generator=g), dim=0)
-                turns.append(Turn(id=f"{user}:D{j}:{i}", session_id=f"{user}:S{j + 1}", speaker="A", text=text))
-            questions.append(Question(id=f"{user}:q{j}", user_id=user, text=f"what about {word}", answer="",
-                                      evidence_turns=[f"{user}:D{j}:0"], evidence_sessions=[f"{user}:S{j + 1}"],
-                                      category=1))
-            sessions[user].append(Session(id=f"{user}:S{j + 1}", user_id=user, turns=turns))
-    return Dataset("synthetic", sessions, questions, {1: "synthetic"}), TableEncoder(table)
+    def make(u: int, j: int, g: torch.Generator) -> Made:
+        word = f"zq{u}x{j}"
+        topic = torch.nn.functional.normalize(torch.randn(12, generator=g), dim=0)
+        gold = (f"{word} came up once in a long story about travel cooking weather and friends", topic)
+        decoys = [(text, torch.nn.functional.normalize(torch.randn(12, generator=g), dim=0))
+                  for text in (f"{word} {word} indeed", f"{word} {word} again")]
+        return f"what about {word}", topic, [gold, *decoys]
+    return three_turn_dataset(n_users, n_questions, make)
 
 
 def test_rmm_train_reranks_bm25_candidates(tmp_path: Path) -> None:

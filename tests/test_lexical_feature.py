@@ -6,6 +6,7 @@ checkpoints with the feature's definition, off with a flag."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -224,29 +225,42 @@ class TableEncoder:
         return self.encode_queries([t.split(": ", 1)[-1] for t in texts])
 
 
-def lexical_problem(n_users: int = 4, n_questions: int = 24) -> tuple[Dataset, TableEncoder]:
-    """Each question names a rare keyword that only its gold turn contains; two decoys match the
-    query's embedding better and the gold turn's embedding is no different in kind, so Eq. 1 alone
-    cannot find it — BM25 can, and so can a reranker that learns to trust the lexical feature."""
+Made = tuple[str, torch.Tensor, list[tuple[str, torch.Tensor]]]
+
+
+def three_turn_dataset(n_users: int, n_questions: int, make: Callable[[int, int, torch.Generator], Made]
+                       ) -> tuple[Dataset, TableEncoder]:
+    """One session per question holding three turns, the first the gold: `make(u, j, generator)`
+    gives the question, its vector and each turn's (text, vector), which the encoder answers from."""
     g = torch.Generator().manual_seed(0)
     table, sessions, questions = {}, {}, []
     for u in range(n_users):
         user = f"u{u}"
         sessions[user] = []
         for j in range(n_questions):
-            topic = torch.nn.functional.normalize(torch.randn(12, generator=g), dim=0)
-            query = f"what about zq{u}x{j}"
-            table[query] = topic
+            query, query_vector, made = make(u, j, g)
+            table[query] = query_vector
             turns = []
-            for i, scale in enumerate((0.6, 0.7, 0.7)):
-                text = f"note zq{u}x{j} here" if i == 0 else f"decoy {u} {j} {i}"
-                table[text] = topic * scale + 0.005 * torch.randn(12, generator=g)
+            for i, (text, vector) in enumerate(made):
+                table[text] = vector
                 turns.append(Turn(id=f"{user}:D{j}:{i}", session_id=f"{user}:S{j + 1}", speaker="A", text=text))
             questions.append(Question(id=f"{user}:q{j}", user_id=user, text=query, answer="",
                                       evidence_turns=[f"{user}:D{j}:0"], evidence_sessions=[f"{user}:S{j + 1}"],
                                       category=1))
             sessions[user].append(Session(id=f"{user}:S{j + 1}", user_id=user, turns=turns))
     return Dataset("synthetic", sessions, questions, {1: "synthetic"}), TableEncoder(table)
+
+
+def lexical_problem(n_users: int = 4, n_questions: int = 24) -> tuple[Dataset, TableEncoder]:
+    """Each question names a rare keyword that only its gold turn contains; two decoys match the
+    query's embedding better and the gold turn's embedding is no different in kind, so Eq. 1 alone
+    cannot find it — BM25 can, and so can a reranker that learns to trust the lexical feature."""
+    def make(u: int, j: int, g: torch.Generator) -> Made:
+        topic = torch.nn.functional.normalize(torch.randn(12, generator=g), dim=0)
+        texts = [f"note zq{u}x{j} here", f"decoy {u} {j} 1", f"decoy {u} {j} 2"]
+        return f"what about zq{u}x{j}", topic, [(text, topic * scale + 0.005 * torch.randn(12, generator=g))
+                                                for text, scale in zip(texts, (0.6, 0.7, 0.7))]
+    return three_turn_dataset(n_users, n_questions, make)
 
 
 @pytest.fixture
