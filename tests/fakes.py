@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from rmm.llm.base import LLM, Usage
+from rmm.types import Memory
 
 DIM = 64
 Reply = str | Callable[[str], str]
@@ -113,3 +114,11 @@ FILLER = [f"Ana noted errand {word} today" for word in
            "curtains", "battery", "ceiling", "umbrella", "bicycle", "kitchen", "stamps", "blanket", "carpet",
            "violin", "pillow", "marble", "lantern", "compass", "saddle", "trumpet", "anchor", "helmet", "rocket",
            "feather", "mirror", "basket", "pencil", "candle", "jacket", "wallet", "bottle", "ladder", "hammer")]
+
+
+def add_story(bank, user: str = "ana", *, refs: bool = True) -> None:
+    """FACTS (dated 1 May 2023, each citing turn `t:<key>` unless `refs=False`) then FILLER as `user`'s
+    topic memories: the bank the front-end tests search."""
+    bank.add(user, [Memory(id=key, user_id=user, kind="topic", text=text, refs=[f"t:{key}"] if refs else [],
+                           time_span=("1 May 2023", "1 May 2023")) for key, text in FACTS.items()])
+    bank.add(user, [Memory(id=f"e{i}", user_id=user, kind="topic", text=t) for i, t in enumerate(FILLER)])

@@ -110,13 +110,10 @@ def test_a_first_stage_over_another_bank_is_refused(bank: MemoryBank, tmp_path: 
 # -- the front ends over a hybrid agent ---------------------------------------------------------------
 @pytest.fixture
 def story_bank(tmp_path: Path):
-    from fakes import FACTS as STORY
-    from fakes import FILLER
+    from fakes import add_story
 
     with MemoryBank(tmp_path / "story", BagOfWordsEncoder(), device="cpu") as b:
-        b.add("ana", [Memory(id=key, user_id="ana", kind="topic", text=text, refs=[f"t:{key}"],
-                             time_span=("1 May 2023", "1 May 2023")) for key, text in STORY.items()])
-        b.add("ana", [Memory(id=f"e{i}", user_id="ana", kind="topic", text=t) for i, t in enumerate(FILLER)])
+        add_story(b)
         yield b
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fakes import FACTS, FILLER, BagOfWordsEncoder, Reply, ScriptedGoalLLM
+from fakes import FILLER, BagOfWordsEncoder, Reply, ScriptedGoalLLM, add_story
 from rich.console import Console
 
 from rmm.frontends.agent import Agent
@@ -29,15 +29,12 @@ from rmm.llm.base import LLM
 from rmm.llm.simulated import SimulatedLLM
 from rmm.memory.bank import MemoryBank
 from rmm.policy.learner import LearnerConfig
-from rmm.types import Memory
 
 
 @pytest.fixture
 def bank(tmp_path: Path):
     with MemoryBank(tmp_path / "bank", BagOfWordsEncoder(), device="cpu") as b:
-        b.add("ana", [Memory(id=key, user_id="ana", kind="topic", text=text, refs=[f"t:{key}"],
-                             time_span=("1 May 2023", "1 May 2023")) for key, text in FACTS.items()])
-        b.add("ana", [Memory(id=f"e{i}", user_id="ana", kind="topic", text=t) for i, t in enumerate(FILLER)])
+        add_story(b)
         yield b
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import FACTS, FILLER, BagOfWordsEncoder, Reply, ScriptedMemR3LLM
+from fakes import BagOfWordsEncoder, Reply, ScriptedMemR3LLM, add_story
 from rich.console import Console
 
 from rmm.frontends.agent import Agent
@@ -44,9 +44,7 @@ STUDIES = "Which city did Clara move to for her studies?"  # the direct search f
 @pytest.fixture
 def bank(tmp_path: Path):
     with MemoryBank(tmp_path / "bank", BagOfWordsEncoder(), device="cpu") as b:
-        b.add("ana", [Memory(id=key, user_id="ana", kind="topic", text=text, time_span=("1 May 2023", "1 May 2023"))
-                      for key, text in FACTS.items()])
-        b.add("ana", [Memory(id=f"e{i}", user_id="ana", kind="topic", text=t) for i, t in enumerate(FILLER)])
+        add_story(b, refs=False)
         b.add("tiny", [Memory(id=f"t{i}", user_id="tiny", kind="topic", text=f"Tim likes {w}")
                        for i, w in enumerate(("apples", "boats", "chess"))])
         yield b
