@@ -353,19 +353,26 @@ class MemoryBank:
             return []
         return self.search_embeddings(self._encode(queries, queries=True), user, k, queries=queries)
 
-    def search_embeddings(
-        self, query_embs: torch.Tensor, user: str, k: int, queries: list[str] | None = None
-    ) -> list[Candidates]:
-        """Search with query vectors already computed (e.g. transformed by the reranker's W_q)."""
-        self._check_k(k)
+    def query_matrix(self, query_embs: torch.Tensor, n_texts: int | None = None) -> torch.Tensor:
+        """Given query vectors as a float [n, dim] matrix, refused when they cannot be this bank's (a
+        wrong dim, or `n_texts` query texts for another number of vectors); one check for every
+        retriever that searches with vectors it was handed."""
         q = torch.as_tensor(query_embs).detach().float()
         if q.ndim == 1:
             q = q.unsqueeze(0)
         if q.ndim != 2 or q.shape[1] != self.dim:
             raise DimensionMismatchError(f"query embeddings of shape {tuple(q.shape)} do not match the bank's dim {self.dim}")
+        if n_texts is not None and n_texts != q.shape[0]:
+            raise ValueError(f"{n_texts} query texts for {q.shape[0]} query embeddings")
+        return q
+
+    def search_embeddings(
+        self, query_embs: torch.Tensor, user: str, k: int, queries: list[str] | None = None
+    ) -> list[Candidates]:
+        """Search with query vectors already computed (e.g. transformed by the reranker's W_q)."""
+        self._check_k(k)
+        q = self.query_matrix(query_embs, None if queries is None else len(queries))
         texts = list(queries) if queries is not None else [""] * q.shape[0]
-        if len(texts) != q.shape[0]:
-            raise ValueError(f"{len(texts)} query texts for {q.shape[0]} query embeddings")
         with self._guard():
             self._check_open()
             if self._cache is None:  # the database searches: scores, ids and the hits' vectors in one go

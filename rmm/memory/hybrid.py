@@ -47,7 +47,6 @@ from typing import Literal
 
 import torch
 
-from rmm.errors import DimensionMismatchError
 from rmm.memory.bank import EncoderLike, MemoryBank
 from rmm.memory.bm25 import BM25Retriever
 from rmm.memory.storage import MemoryStorage
@@ -160,7 +159,7 @@ class HybridRetriever:
             return self.bank.search_embeddings(query_embs, user, k)
         if self.fusion == "lexical":
             queries = list(queries)
-            vectors = self._query_vectors(query_embs, len(queries))
+            vectors = self.bank.query_matrix(query_embs, len(queries)).cpu()
             self.bank.store.require_user(user)
             return self._fused(self._no_dense(vectors, queries, user), queries, user, k)
         dense = self.bank.search_embeddings(query_embs, user, max(k, self.depth), queries=queries)
@@ -181,19 +180,6 @@ class HybridRetriever:
             vectors = self.bank._encode(queries, queries=True)  # the bank's shape check included
             return self._fused(self._no_dense(vectors, queries, user), queries, user, k)
         return self._fused(self.bank.search(queries, user, max(k, self.depth)), queries, user, k)
-
-    def _query_vectors(self, query_embs: torch.Tensor, n: int) -> torch.Tensor:
-        """Given query vectors as [n, dim] on the CPU, refused as the bank's `search_embeddings` refuses
-        them (the lexical path never hands them to the bank)."""
-        q = torch.as_tensor(query_embs).detach().float()
-        if q.ndim == 1:
-            q = q.unsqueeze(0)
-        if q.ndim != 2 or q.shape[1] != self.bank.dim:
-            raise DimensionMismatchError(f"query embeddings of shape {tuple(q.shape)} do not match the bank's "
-                                         f"dim {self.bank.dim}")
-        if q.shape[0] != n:
-            raise ValueError(f"{n} query texts for {q.shape[0]} query embeddings")
-        return q.cpu()
 
     def _no_dense(self, q: torch.Tensor, queries: list[str], user: str) -> list[Candidates]:
         """Empty dense lists carrying only each query's vector (what `fusion="lexical"` fuses with)."""
