@@ -25,7 +25,6 @@ LEXICAL_LR_SCALE = 1.0
 log = logging.getLogger(__name__)
 
 
-
 class OptimizerStepError(RuntimeError):
     """A step applied to some parameter groups and not others: the learner's state, not a feedback row,
     is at fault, so a caller that sets bad rows aside (`rmm.serve.learner_lease`) must stop instead."""
