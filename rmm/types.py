@@ -117,6 +117,9 @@ class Candidates:
     `lexical` is each candidate's BM25 score scaled to [0, 1] over BM25's depth list (its top 50 by
     default; 0 below it), from a hybrid or bm25:DENSE first stage (`rmm.memory.hybrid`), the reranker's optional learned feature; None
     from a dense or plain BM25 retriever. A Selection keeps its candidates, so the feature is recorded as it was sampled.
+    `features` ([K, F], one column per name in `feature_names`) are further per-candidate features a
+    hybrid first stage computes while it fuses (ranks, scores, length, query overlap;
+    `rmm.memory.features`), weighed by the reranker beside `lexical`; None / () = none.
     """
 
     query: str
@@ -126,6 +129,8 @@ class Candidates:
     query_embedding: torch.Tensor | None = None  # [d]
     user_id: str = ""
     lexical: torch.Tensor | None = None  # [K] in [0, 1]; None = no lexical feature
+    features: torch.Tensor | None = None  # [K, F] float32; None = no candidate features
+    feature_names: tuple[str, ...] = ()  # the F column names of `features`, in order
 
     def __len__(self) -> int:
         return len(self.memory_ids)
