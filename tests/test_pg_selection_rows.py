@@ -30,7 +30,8 @@ def full_selection(sid: str) -> PendingSelection:
         memory_ids=["m0", "m1", "m2", "m3"], chosen=[3, 0], explore=True, query_embedding=torch.randn(D, generator=g),
         scores=torch.randn(4, generator=g), logp=torch.tensor([-0.5, -1.25]), noise=torch.randn(4, generator=g),
         created_at=now, expires_at=now + 60.0, consumed_at=None, embeddings=torch.randn(4, D, generator=g),
-        tau=0.25, version=7, mask=torch.tensor([True, False, True, True]), lexical=torch.tensor([1.0, 0.5, 0.0, 0.25]))
+        tau=0.25, version=7, mask=torch.tensor([True, False, True, True]), lexical=torch.tensor([1.0, 0.5, 0.0, 0.25]),
+        features=torch.randn(4, 3, generator=g), feature_names=("fused", "bm25_rank", "length"))
 
 
 def assert_same_selection(got: PendingSelection, want: PendingSelection, consumed_at: float) -> None:
@@ -55,9 +56,10 @@ def test_every_field_round_trips_through_the_sqlite_store_in_its_stored_spelling
     store.close()
     assert_same_selection(got, original, consumed_at=original.created_at + 1.0)
     with sqlite3.connect(path) as conn:  # what existing files hold: JSON text, a 0/1 flag, float32 bytes
-        row = conn.execute("SELECT memory_ids, chosen, explore, typeof(explore), length(embeddings), length(mask) "
-                           "FROM selections").fetchone()
-    assert row == (json.dumps(original.memory_ids), json.dumps(original.chosen), 1, "integer", 4 * D * 4, 4)
+        row = conn.execute("SELECT memory_ids, chosen, explore, typeof(explore), length(embeddings), length(mask), "
+                           "length(features), feature_names FROM selections").fetchone()
+    assert row == (json.dumps(original.memory_ids), json.dumps(original.chosen), 1, "integer", 4 * D * 4, 4,
+                   4 * 3 * 4, json.dumps(list(original.feature_names)))
 
 
 def test_every_field_round_trips_through_the_postgresql_store_in_its_stored_spelling(pg_url: str) -> None:
@@ -75,9 +77,10 @@ def test_every_field_round_trips_through_the_postgresql_store_in_its_stored_spel
         assert_same_selection(got, original, consumed_at=original.created_at + 1.0)
         with db.tx() as cur:
             (applied,) = unapplied_feedback(cur)  # the learner's read of the same row
-            row = cur.execute("SELECT memory_ids, chosen, pg_typeof(explore)::text, explore, length(embeddings) "
-                              "FROM selections").fetchone()
+            row = cur.execute("SELECT memory_ids, chosen, pg_typeof(explore)::text, explore, length(embeddings), "
+                              "length(features), feature_names FROM selections").fetchone()
         assert_same_selection(applied.selection, original, consumed_at=original.created_at + 1.0)
-        assert row == (original.memory_ids, original.chosen, "boolean", True, 4 * D * 4)  # JSONB arrays, BOOLEAN
+        assert row == (original.memory_ids, original.chosen, "boolean", True, 4 * D * 4,  # JSONB arrays, BOOLEAN
+                       4 * 3 * 4, list(original.feature_names))
     finally:
         db.close()

@@ -10,6 +10,7 @@ from rmm.errors import RmmError
 
 __all__ = [
     "BadRequestError",
+    "CorruptSelectionError",
     "InvalidApiKeyError",
     "MissingApiKeyError",
     "NoOpenSessionError",
@@ -29,6 +30,11 @@ class UnknownSelectionError(RmmError, KeyError):
 
 class SelectionExpiredError(RmmError):
     """The selection waited longer than `selection_ttl_s` for its feedback."""
+
+
+class CorruptSelectionError(RmmError, ValueError):
+    """A stored selection whose row cannot be decoded as what it states (a blob of the wrong size):
+    that selection cannot be learned from; every other one still can."""
 
 
 class SelectionUsedError(RmmError):

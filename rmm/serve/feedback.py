@@ -7,11 +7,12 @@ never shown — is refused (422) before the claim, so the corrected feedback can
 A reply without any citation is not a mistake: it is recorded as "no parseable citation".
 
 The update is rebuilt from the selection as it was stored at sampling time (candidate embeddings,
-query embedding, τ, weights version, μ, mask, the lexical feature of hybrid candidates): nothing
-is re-read from the bank, so a memory edited or deleted since cannot change what is learned.
-Feedback for a greedy selection (`explore=false`) is accepted and stored but not learned from —
-top-M picks are not a sample, so there is no behaviour probability to correct with; the answer
-says so (`learned`, `reason`).
+query embedding, τ, weights version, μ, mask, the lexical feature and further features of hybrid
+candidates, with the features' names): nothing is re-read from the bank or recomputed, so a
+memory edited or deleted since, or a first stage that now computes other features, cannot change
+what is learned. Feedback for a greedy selection (`explore=false`) is accepted and stored but not
+learned from — top-M picks are not a sample, so there is no behaviour probability to correct
+with; the answer says so (`learned`, `reason`).
 
 Over a PostgreSQL bank (`Selections.learns_in_background`) the claim appends the feedback to the
 database and the answer returns once it is committed; the replica holding the learner lock
@@ -110,7 +111,8 @@ def rebuild(pending: PendingSelection) -> Selection:
         raise ValueError(f"selection {pending.id!r} has no stored candidate embeddings")
     candidates = Candidates(query=pending.query, memory_ids=pending.memory_ids, retriever_scores=pending.scores,
                             embeddings=pending.embeddings, query_embedding=pending.query_embedding,
-                            user_id=pending.user_id, lexical=pending.lexical)
+                            user_id=pending.user_id, lexical=pending.lexical, features=pending.features,
+                            feature_names=pending.feature_names)
     return Selection(candidates=candidates, chosen=pending.chosen, scores=pending.scores, logp=pending.logp,
                      noise=pending.noise, explore=pending.explore, id=pending.id, tau=pending.tau,
                      version=pending.version, mask=pending.mask)

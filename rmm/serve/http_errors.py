@@ -26,6 +26,7 @@ from rmm.memory.store import DuplicateMemoryError
 from rmm.serve.batcher import BatcherClosedError
 from rmm.serve.errors import (
     BadRequestError,
+    CorruptSelectionError,
     InvalidApiKeyError,
     MissingApiKeyError,
     NoOpenSessionError,
@@ -49,6 +50,8 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
     (UnknownJobError, 404, "unknown_job"),
     (NoOpenSessionError, 404, "no_open_session"),
     (SelectionExpiredError, 410, "selection_expired"),
+    # the stored row, not the request: this selection cannot be rewarded (retrieve again); logged for the operator
+    (CorruptSelectionError, 410, "selection_corrupt"),
     (SelectionUsedError, 409, "selection_used"),
     (DuplicateMemoryError, 409, "duplicate_memory"),
     (BadRequestError, 422, "bad_request"),
@@ -75,8 +78,8 @@ def error_response(exc: BaseException) -> JSONResponse:
     """The answer to a typed error; an unexpected one is logged and answered 500 without details."""
     for cls, status, code in ERRORS:
         if isinstance(exc, cls):
-            if isinstance(exc, DatabasePoolExhaustedError | DatabaseUnavailableError):
-                # the operator's problem, not the client's: the client sees only a 503
+            if isinstance(exc, DatabasePoolExhaustedError | DatabaseUnavailableError | CorruptSelectionError):
+                # the operator's problem, not the client's: the client sees only a 503 / 410
                 log.warning("answered %d %s: %s", status, code, exc)
             return json_error(status, code, str(exc))
     if isinstance(exc, RmmError | ValueError):

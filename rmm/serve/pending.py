@@ -6,7 +6,10 @@ or its user is deleted. A row keeps everything its update needs *as it was at sa
 (issue 13 item 3): the candidate ids and their embeddings as scored (float32 blobs, K×d), the
 query embedding, the ordered picks, the behaviour log-probabilities μ, τ, the weights version and
 the mask, and — for a hybrid first stage — each candidate's lexical feature as scored (float32 blob,
-K; NULL for dense candidates and rows written before it was kept, which rebuild without it).
+K) and its further features (`features`, float32 blob K×F, row-major, with `feature_names`, a JSON
+list of the F names); NULL for dense candidates and rows written before they were kept, which
+rebuild without them. A row whose blobs do not match the shape it states is refused for that
+selection alone (`CorruptSelectionError`, 410), the row left as it was.
 Nothing is re-read from the bank at feedback time, so a memory edited or deleted in
 between cannot change what the learner learns. This costs K×d×4 bytes per selection (30 KiB at
 K=20, d=384), bounded by the TTL sweep.
@@ -30,11 +33,9 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from rmm.errors import UnknownMemoryError, UnknownUserError
@@ -42,6 +43,15 @@ from rmm.serve.errors import (
     SelectionExpiredError,
     SelectionUsedError,
     UnknownSelectionError,
+)
+from rmm.serve.selection_rows import (
+    SELECTION_COLUMNS,
+    SQLITE_FORMAT,
+    PendingSelection,
+    RowFormat,
+    selection_from_row,
+    selection_row,
+    tensor_blob,
 )
 
 __all__ = [
@@ -88,81 +98,14 @@ _ADDED_COLUMNS = {
     "mask": "BLOB",  # [K] uint8, 1 = could be picked; NULL = all candidates
     "feedback": "TEXT",  # JSON of the feedback received (citations, rewards, learned, reason)
     "lexical": "BLOB",  # [K] float32 lexical feature as scored (hybrid first stage); NULL = none
+    "features": "BLOB",  # [K, F] float32 candidate features as scored, row-major; NULL = none
+    "feature_names": "TEXT",  # JSON list of the F feature names; NULL = none
 }
 
-# A selection row's columns, in the order `selection_row` writes and `selection_from_row` reads
-# them — for both stores (SQLite here, PostgreSQL in `pg_pending`): a new field is added here once.
-SELECTION_COLUMNS = ("id", "tenant", "user_id", "reranker_key", "query", "memory_ids", "chosen", "explore",
-                     "query_emb", "scores", "logp", "noise", "created_at", "expires_at", "consumed_at",
-                     "embeddings", "tau", "version", "mask", "lexical")
 _COLUMNS = ", ".join(SELECTION_COLUMNS)
 _N_COLUMNS = len(SELECTION_COLUMNS)
 
 EmbeddingsOf = Callable[[str, list[str]], torch.Tensor]  # (user_id, memory ids) -> [K, d]
-
-
-@dataclass
-class PendingSelection:
-    """A `Selection` as it was at sampling time, plus who asked for it and until when."""
-
-    id: str
-    tenant: str
-    user_id: str  # the tenant-scoped user id
-    reranker_key: str
-    query: str
-    memory_ids: list[str]  # the K candidates, in retrieval order
-    chosen: list[int]  # indices into memory_ids, in shown order
-    explore: bool
-    query_embedding: torch.Tensor  # [d]
-    scores: torch.Tensor  # [K]
-    logp: torch.Tensor | None
-    noise: torch.Tensor | None
-    created_at: float
-    expires_at: float
-    consumed_at: float | None = None
-    embeddings: torch.Tensor | None = None  # [K, d] as scored; None only in a legacy row not yet upgraded
-    tau: float | None = None
-    version: int | None = None
-    mask: torch.Tensor | None = None  # [K] bool
-    lexical: torch.Tensor | None = None  # [K] the candidates' lexical feature as scored; None = none
-
-
-def _blob(tensor: torch.Tensor | None) -> bytes | None:
-    if tensor is None:
-        return None
-    return np.ascontiguousarray(tensor.detach().float().cpu().numpy(), dtype=np.float32).tobytes()
-
-
-def _tensor(blob: bytes | memoryview | None) -> torch.Tensor | None:
-    if blob is None:
-        return None
-    return torch.from_numpy(np.frombuffer(blob, dtype=np.float32).copy())
-
-
-def _mask_blob(mask: torch.Tensor | None) -> bytes | None:
-    return None if mask is None else mask.detach().cpu().to(torch.uint8).numpy().tobytes()
-
-
-@dataclass(frozen=True)
-class RowFormat:
-    """How a database spells a selection row's JSON lists and its explore flag; tensors are float32
-    bytes (the mask uint8) and times are floats in both, so the rest of the codec is shared."""
-
-    dump_json: Callable[[list[Any]], Any]
-    load_json: Callable[[Any], list[Any]]
-    dump_bool: Callable[[bool], Any]
-
-
-SQLITE_FORMAT = RowFormat(dump_json=json.dumps, load_json=json.loads, dump_bool=int)  # TEXT, INTEGER 0/1
-
-
-def selection_row(s: PendingSelection, fmt: RowFormat = SQLITE_FORMAT) -> tuple[Any, ...]:
-    """A new (not yet rewarded) selection's values in `SELECTION_COLUMNS` order."""
-    return (s.id, s.tenant, s.user_id, s.reranker_key, s.query, fmt.dump_json(list(s.memory_ids)),
-            fmt.dump_json(list(s.chosen)), fmt.dump_bool(bool(s.explore)), _blob(s.query_embedding), _blob(s.scores),
-            _blob(s.logp), _blob(s.noise), float(s.created_at), float(s.expires_at), None, _blob(s.embeddings),
-            None if s.tau is None else float(s.tau), None if s.version is None else int(s.version),
-            _mask_blob(s.mask), _blob(s.lexical))
 
 
 class Selections(Protocol):
@@ -262,7 +205,7 @@ class SelectionStore:
         doomed: list[str] = []
         for selection_id, user_id, ids in legacy:
             try:
-                upgraded.append((_blob(embeddings_of(user_id, list(json.loads(ids)))), selection_id))
+                upgraded.append((tensor_blob(embeddings_of(user_id, list(json.loads(ids)))), selection_id))
             except (UnknownUserError, UnknownMemoryError) as exc:  # gone: nothing faithful to learn from
                 log.debug("legacy selection %s cannot be upgraded: %s", selection_id, exc)
                 doomed.append(selection_id)
@@ -367,23 +310,3 @@ def refuse_unusable(selection: PendingSelection, now: float, ttl_s: float) -> No
             f"selection {selection.id!r} was written without its candidate embeddings (an older rmm); "
             "it cannot be learned from faithfully — retrieve again"
         )
-
-
-def selection_from_row(row: tuple[Any, ...], fmt: RowFormat = SQLITE_FORMAT) -> PendingSelection:
-    """A selection from its values in `SELECTION_COLUMNS` order (NULL in columns an older rmm did not write)."""
-    query_embedding = _tensor(row[8])
-    scores = _tensor(row[9])
-    assert query_embedding is not None and scores is not None
-    memory_ids = [str(m) for m in fmt.load_json(row[5])]
-    embeddings = _tensor(row[15])
-    if embeddings is not None:
-        embeddings = embeddings.reshape(len(memory_ids), query_embedding.numel())
-    mask = None if row[18] is None else torch.from_numpy(np.frombuffer(row[18], dtype=np.uint8).copy()).bool()
-    return PendingSelection(
-        id=row[0], tenant=row[1], user_id=row[2], reranker_key=row[3], query=row[4],
-        memory_ids=memory_ids, chosen=[int(c) for c in fmt.load_json(row[6])], explore=bool(row[7]),
-        query_embedding=query_embedding, scores=scores, logp=_tensor(row[10]), noise=_tensor(row[11]),
-        created_at=float(row[12]), expires_at=float(row[13]), consumed_at=None if row[14] is None else float(row[14]),
-        embeddings=embeddings, tau=None if row[16] is None else float(row[16]),
-        version=None if row[17] is None else int(row[17]), mask=mask, lexical=_tensor(row[19]),
-    )

@@ -3,7 +3,8 @@
 Same contract as the SQLite `rmm.serve.pending.SelectionStore` (the `Selections` protocol): a
 row keeps everything its update needs as sampled (candidate ids and embeddings as scored, query
 embedding, ordered picks, μ, τ, mask, weights version, the lexical feature of hybrid candidates —
-column added by migration 0003, NULL in older rows), so feedback posted to any replica finds
+column added by migration 0003 — and their further features with the features' names — migration
+0004; NULL in older rows, which rebuild without them), so feedback posted to any replica finds
 it, and the learner — whichever replica holds the learner lock — rebuilds the update from the row
 alone. Claiming a selection appends its feedback to the `feedback` table in the same transaction
 (committed before the HTTP answer), so acknowledged feedback survives any replica's death; the
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rmm.memory.pg_database import PgDatabase
-from rmm.serve.errors import UnknownSelectionError
+from rmm.serve.errors import CorruptSelectionError, UnknownSelectionError
 from rmm.serve.pending import (
     SELECTION_COLUMNS,
     EmbeddingsOf,
@@ -65,7 +66,7 @@ class AppliedFeedback:
 
 
 class PgSelectionStore:
-    """`Selections` on a PostgreSQL bank schema (tables `selections`, `feedback`; migrations 0002, 0003)."""
+    """`Selections` on a PostgreSQL bank schema (tables `selections`, `feedback`; migrations 0002-0004)."""
 
     learns_in_background = True
 
@@ -165,12 +166,21 @@ def unapplied_feedback(cur: psycopg.Cursor[Any], *, exclude: list[int] | None = 
                        limit: int = 256) -> list[AppliedFeedback]:
     """Feedback to learn from that no reranker version contains yet, in seq order, minus `exclude`
     (rows the learner already holds in its buffer). No high-water mark: a row with a lower seq may
-    commit after a higher one, and it must still be found."""
+    commit after a higher one, and it must still be found. A row that cannot be decoded is taken off
+    the queue (`skip_unlearnable`) in the same transaction, so it cannot hide the rows after it."""
     cur.execute(f"SELECT f.seq, f.rewards, {_PREFIXED} FROM feedback f JOIN selections s ON s.id = f.selection_id "
                 "WHERE f.learn AND f.applied_version IS NULL AND NOT (f.seq = ANY(%s)) ORDER BY f.seq LIMIT %s",
                 (list(exclude or []), limit))
-    return [AppliedFeedback(seq=int(r[0]), rewards=None if r[1] is None else [float(x) for x in r[1]],
-                            selection=_from_row(r[2:])) for r in cur.fetchall()]
+    found: list[AppliedFeedback] = []
+    for r in cur.fetchall():
+        try:
+            selection = _from_row(r[2:])
+        except CorruptSelectionError as exc:
+            skip_unlearnable(cur, int(r[0]), str(exc))
+            continue
+        found.append(AppliedFeedback(seq=int(r[0]), rewards=None if r[1] is None else [float(x) for x in r[1]],
+                                     selection=selection))
+    return found
 
 
 def mark_applied(cur: psycopg.Cursor[Any], seqs: list[int], version: int) -> None:

@@ -4,8 +4,9 @@ Every query of the batch is encoded in one encoder call, each user's queries are
 index call, and each reranker scores its queries in one call (Gumbel top-M when exploring, plain
 top-M otherwise). The selections are persisted in one transaction before the results are
 returned, with everything their update needs as scored (candidate and query embeddings, μ, τ,
-weights version), so feedback works even after a restart or a memory's deletion. A query's failure (unknown user, a user
-deleted mid-batch) is handed back to that query alone.
+weights version, the candidates' lexical feature and further features with their names), so
+feedback works even after a restart or a memory's deletion. A query's failure (unknown user, a
+user deleted mid-batch) is handed back to that query alone.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ class BatchRetriever:
                 found[i] = Candidates(query=row.query, memory_ids=row.memory_ids[:k],
                                       retriever_scores=row.retriever_scores[:k], embeddings=row.embeddings[:k],
                                       query_embedding=vec, user_id=user_id,
-                                      lexical=None if row.lexical is None else row.lexical[:k])
+                                      lexical=None if row.lexical is None else row.lexical[:k],
+                                      features=None if row.features is None else row.features[:k],
+                                      feature_names=row.feature_names)
         return found
 
     def _select(self, items: list[RetrieveItem], candidates: dict[int, Candidates]) -> dict[int, tuple[Selection, str]]:
@@ -169,7 +172,8 @@ class BatchRetriever:
                     memory_ids=list(c.memory_ids), chosen=list(selection.chosen), explore=selection.explore,
                     query_embedding=c.query_embedding, scores=selection.scores, logp=selection.logp,
                     noise=selection.noise, created_at=now, expires_at=expires, embeddings=c.embeddings,
-                    tau=selection.tau, version=selection.version, mask=selection.mask, lexical=c.lexical))
+                    tau=selection.tau, version=selection.version, mask=selection.mask, lexical=c.lexical,
+                    features=c.features, feature_names=c.feature_names))
             results[i] = RetrieveResult(user=item.user, query=item.query,
                                         selection_id=selection.id if has_pick else None, explore=selection.explore,
                                         expires_at=expires if has_pick else None, memories=shown)

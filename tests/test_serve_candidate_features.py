@@ -1,0 +1,199 @@
+"""Per-candidate features (`Candidates.features` [K, F] + `feature_names`) are logged with each
+selection at sampling time and handed back unchanged when the reward arrives — after a restart,
+from SQLite or PostgreSQL — never recomputed. Old stores gain the columns (old rows: no features);
+a row whose blob does not match K × F is refused for that selection alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_serve_service import FACTS, _capture_records, item, make_service
+
+from rmm.serve.errors import CorruptSelectionError, SelectionUsedError
+from rmm.serve.feedback import rebuild
+from rmm.serve.http_errors import error_response
+from rmm.serve.pending import PendingSelection, SelectionStore
+from rmm.serve.records import NewMemory, RetrieveResult
+from rmm.serve.service import RetrievalService
+from rmm.types import Candidates, Selection
+
+NAMES = ("fused", "bm25_rank", "length")
+K, D = 4, 5
+
+
+def pending(sid: str, features: torch.Tensor | None = None, names: tuple[str, ...] = ()) -> PendingSelection:
+    g = torch.Generator().manual_seed(len(sid))
+    now = time.time()
+    return PendingSelection(
+        id=sid, tenant="alpha", user_id="alpha:ana", reranker_key="alpha", query="q",
+        memory_ids=[f"m{i}" for i in range(K)], chosen=[1, 0], explore=True,
+        query_embedding=torch.randn(D, generator=g), scores=torch.randn(K, generator=g),
+        logp=torch.tensor([-0.5, -0.7]), noise=None, created_at=now, expires_at=now + 60,
+        embeddings=torch.randn(K, D, generator=g), tau=0.05, version=0, features=features, feature_names=names)
+
+
+def some_features(seed: int = 0, k: int = K) -> torch.Tensor:
+    return torch.randn(k, len(NAMES), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- the service: retrieve → restart → feedback ------------------------------------------------
+class FeaturedFirstStage:
+    """The service's first stage with a [k, F] feature matrix added to every candidate row — what a
+    hybrid first stage with candidate features hands the reranker — drawn fresh on every search, so
+    computing them again at feedback time could never give the sampled values back."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.generator = inner, torch.Generator().manual_seed(11)
+
+    def search_embeddings(self, vectors: torch.Tensor, user: str, k: int, **kwargs: Any) -> list[Candidates]:
+        rows = self.inner.search_embeddings(vectors, user, k, **kwargs)
+        return [dataclasses.replace(row, features=torch.rand(len(row), len(NAMES), generator=self.generator),
+                                    feature_names=NAMES) for row in rows]
+
+
+def sampled_selections(service: RetrievalService) -> list[Selection]:
+    seen: list[Selection] = []
+    select = service.retriever._select
+
+    def spy(items, candidates):
+        picked = select(items, candidates)
+        seen.extend(selection for selection, _ in picked.values())
+        return picked
+
+    service.retriever._select = spy  # type: ignore[method-assign]
+    return seen
+
+
+def test_features_logged_at_sampling_come_back_unchanged_after_a_restart(tmp_path: Path) -> None:
+    settings = {"learner": {"batch_size": 1}}
+    service = make_service(tmp_path, **settings)
+    try:
+        service.add_memories("alpha", "ana", [NewMemory(text=t, id=f"f{i}") for i, t in enumerate(FACTS)])
+        service.retriever.first_stage = FeaturedFirstStage(service.retriever.first_stage)
+        sampled = sampled_selections(service)
+        # one batch, one search at k = 5: the k = 3 query's candidates are the first 3 rows, features too
+        results = service.retrieve_batch([item("ana", "sourdough bread on Sundays", k=5, explore=True),
+                                          item("ana", "cello orchestra", k=3, explore=True)])
+        assert all(isinstance(r, RetrieveResult) for r in results), results
+    finally:
+        service.close()
+    by_id = {s.id: s for s in sampled}
+    assert [by_id[r.selection_id].candidates.features.shape for r in results] == [(5, 3), (3, 3)]
+    service = make_service(tmp_path, **settings)  # another process: nothing but the stored rows
+    try:
+        seen = _capture_records(service)
+        for result in results:
+            assert service.feedback("alpha", result.selection_id, cited=[0]).learned
+        for result, rebuilt in zip(results, seen, strict=True):
+            want = by_id[result.selection_id].candidates
+            assert rebuilt.candidates.features.dtype == torch.float32
+            assert torch.equal(rebuilt.candidates.features, want.features)
+            assert rebuilt.candidates.feature_names == NAMES
+    finally:
+        service.close()
+
+
+def test_dense_selections_store_no_features(tmp_path: Path) -> None:
+    service = make_service(tmp_path, learner={"batch_size": 1})
+    try:
+        service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
+        (result,) = service.retrieve_batch([item("ana", "cello orchestra", k=5, explore=True)])
+        seen = _capture_records(service)
+        service.feedback("alpha", result.selection_id, cited=[0])
+        assert seen[0].candidates.features is None and seen[0].candidates.feature_names == ()
+    finally:
+        service.close()
+
+
+# ---- the SQLite store ----------------------------------------------------------------------------
+def test_an_old_file_gains_the_columns_and_its_rows_rebuild_without_features(tmp_path: Path) -> None:
+    path = tmp_path / "selections.sqlite"
+    store = SelectionStore(path, ttl_s=60)
+    store.put_many([pending("old")])
+    store.close()
+    with sqlite3.connect(path) as conn:  # a file written by an rmm from before the columns
+        conn.execute("ALTER TABLE selections DROP COLUMN features")
+        conn.execute("ALTER TABLE selections DROP COLUMN feature_names")
+    store = SelectionStore(path, ttl_s=60)
+    try:
+        with sqlite3.connect(path) as conn:
+            columns = {row[1]: row[2] for row in conn.execute("PRAGMA table_info(selections)")}
+        assert (columns["features"], columns["feature_names"]) == ("BLOB", "TEXT")
+        old = rebuild(store.claim("alpha", "old"))
+        assert old.candidates.features is None and old.candidates.feature_names == () and old.chosen == [1, 0]
+        store.put_many([pending("new", some_features(), NAMES)])
+        new = rebuild(store.claim("alpha", "new"))
+        assert torch.equal(new.candidates.features, some_features()) and new.candidates.feature_names == NAMES
+    finally:
+        store.close()
+
+
+def test_a_corrupt_feature_blob_refuses_that_selection_alone_and_keeps_it(tmp_path: Path) -> None:
+    path = tmp_path / "selections.sqlite"
+    store = SelectionStore(path, ttl_s=60)
+    try:
+        store.put_many([pending("bad", some_features(1), NAMES), pending("good", some_features(2), NAMES)])
+        with sqlite3.connect(path) as conn:  # one float short of K × F
+            conn.execute("UPDATE selections SET features = substr(features, 1, length(features) - 4) WHERE id = 'bad'")
+        for _ in range(2):  # refused again: the claim rolled back, nothing was marked or lost
+            with pytest.raises(CorruptSelectionError, match=r"'bad' is stored corrupt: its candidate features hold "
+                                                            r"11 floats, not 4 × 3"):
+                store.claim("alpha", "bad", check=lambda s: {"cited": [0]})
+        with sqlite3.connect(path) as conn:
+            assert conn.execute("SELECT consumed_at, feedback, length(features) FROM selections WHERE id = 'bad'"
+                                ).fetchone() == (None, None, 11 * 4)
+        good = rebuild(store.claim("alpha", "good"))
+        assert torch.equal(good.candidates.features, some_features(2))
+        with pytest.raises(SelectionUsedError):
+            store.claim("alpha", "good")
+        assert store.count_pending() == 1  # the corrupt row still waits (and is swept with its TTL)
+    finally:
+        store.close()
+
+
+def test_names_without_features_or_features_without_names_are_corrupt(tmp_path: Path) -> None:
+    path = tmp_path / "selections.sqlite"
+    store = SelectionStore(path, ttl_s=60)
+    try:
+        store.put_many([pending("nonames", some_features(), NAMES), pending("nofeatures", some_features(), NAMES),
+                        pending("notjson", some_features(), NAMES)])
+        with sqlite3.connect(path) as conn:
+            conn.execute("UPDATE selections SET feature_names = NULL WHERE id = 'nonames'")
+            conn.execute("UPDATE selections SET features = NULL WHERE id = 'nofeatures'")
+            conn.execute("UPDATE selections SET feature_names = '[\"fused\", ' WHERE id = 'notjson'")
+        for sid, message in (("nonames", "features without their names"), ("nofeatures", "names without features"),
+                             ("notjson", "feature names are not JSON")):
+            with pytest.raises(CorruptSelectionError, match=message):
+                store.claim("alpha", sid)
+    finally:
+        store.close()
+
+
+def test_a_corrupt_selection_answers_410_and_is_logged_for_the_operator(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="rmm.serve.http_errors"):
+        response = error_response(CorruptSelectionError("selection 'x' is stored corrupt"))
+    assert response.status_code == 410 and b'"code":"selection_corrupt"' in response.body
+    assert "stored corrupt" in caplog.text
+
+
+@pytest.mark.parametrize(("features", "names", "message"), [
+    (torch.zeros(K, 2), NAMES, r"shape \(4, 2\), expected \[K=4, F=3\]"),
+    (torch.zeros(K - 1, 3), NAMES, r"shape \(3, 3\), expected \[K=4, F=3\]"),
+    (None, NAMES, "names candidate features"),
+])
+def test_features_that_do_not_describe_themselves_are_never_stored(
+        tmp_path: Path, features: torch.Tensor | None, names: tuple[str, ...], message: str) -> None:
+    store = SelectionStore(tmp_path / "s.sqlite", ttl_s=60)
+    try:
+        with pytest.raises(ValueError, match=message):
+            store.put_many([pending("good", some_features(), NAMES), pending("bad", features, names)])
+        assert store.count_pending() == 0  # the batch is written whole or not at all
+    finally:
+        store.close()
