@@ -25,6 +25,10 @@ class DimensionMismatchError(RmmError, ValueError):
     """An encoder, index or checkpoint whose vector size does not match the bank's."""
 
 
+class FeatureMismatchError(RmmError, ValueError):
+    """Candidates carry per-candidate features under other names (or order) than the reranker weighs."""
+
+
 class EncoderMismatchError(RmmError, ValueError):
     """A bank or checkpoint built with a different encoder than the one given."""
 

@@ -18,6 +18,12 @@ memory the retriever ranked below M (what the learner can be rewarded for).
 `--run NAME[:KEY=JSON,KEY=JSON...]` takes `OnlineConfig` fields, `lexical_init` (w's starting
 value) and `feature` (a hybrid first stage's lexical-feature definition, `FeatureVariant` of
 `scripts/lexical_feature_spread.py`); one JSON line per run goes to `--out`.
+`candidate_features=false|true` switches the per-candidate features (`rmm.memory.features`) on the
+hybrid first stage and the reranker's weights for them together (default: the library's,
+`LearnerConfig.candidate_features`):
+
+    python scripts/reranker_ablations.py --dataset msc --retriever hybrid --limit 3000 \\
+        --run on --run off:candidate_features=false --threads 1
 With `--read-heldout` the whole `rmm train` program runs (held-out scored too): use it once per
 final candidate only.
 """
@@ -236,6 +242,8 @@ def main() -> None:
         if "feature" in settings:  # another lexical-feature definition (scripts/lexical_feature_spread.py)
             retriever = FeatureVariant(retriever, settings.pop("feature"))
         cfg = OnlineConfig(**{**recipe, "limit": args.limit, **settings})
+        if isinstance(opened.retriever, HybridRetriever):  # the first stage computes what the reranker weighs
+            opened.retriever.candidate_features = cfg.candidate_features
         started, cpu = time.perf_counter(), time.process_time()
         trainer = CountingTrainer(dataset, retriever, cfg, progress=False)
         report = trainer.run() if args.read_heldout else None

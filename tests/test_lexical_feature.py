@@ -17,7 +17,7 @@ from rmm.errors import CheckpointError
 from rmm.eval.benchmark_bank import fill
 from rmm.memory.bank import MemoryBank
 from rmm.memory.hybrid import LEXICAL_DEFINITION, HybridRetriever
-from rmm.policy.checkpoint import LEGACY_LEXICAL_DEFINITION
+from rmm.policy.checkpoint import FORMAT_VERSION, LEGACY_LEXICAL_DEFINITION
 from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.registry import LearnerRegistry
 from rmm.policy.reranker import LEXICAL_INIT, ResidualLinearReranker, candidate_subset
@@ -115,7 +115,7 @@ def test_a_checkpoint_states_whether_its_reranker_has_the_feature(tmp_path: Path
         learner.reranker.lexical_weight.fill_(0.25)
     folder = learner.save(tmp_path / "ckpt")
     meta = json.loads((folder / "meta.json").read_text())
-    assert meta["lexical_feature"] is True and meta["format_version"] == 4
+    assert meta["lexical_feature"] is True and meta["format_version"] == FORMAT_VERSION
     assert meta["lexical_definition"] == LEXICAL_DEFINITION  # which feature w was learned on
     resumed = Learner.load(folder, lexical_feature=True)
     assert float(resumed.reranker.lexical_weight.detach()) == 0.25 and resumed.config == learner.config
@@ -165,7 +165,7 @@ def test_a_format_3_reranker_trained_on_the_fused_score_loads_warns_and_is_saved
     assert torch.equal(old._buffer[0].lexical, sel.candidates.lexical.float())  # as sampled
     # Saved with no update since loading (rmm chat --no-learn closing): still the old feature's weights.
     kept = json.loads((old.save(folder) / "meta.json").read_text())
-    assert kept["format_version"] == 4 and kept["lexical_definition"] == LEGACY_LEXICAL_DEFINITION
+    assert kept["format_version"] == FORMAT_VERSION and kept["lexical_definition"] == LEGACY_LEXICAL_DEFINITION
     caplog.clear()
     with caplog.at_level("WARNING", logger="rmm.policy.checkpoint"):
         old = Learner.load(folder, lexical_feature=True)
@@ -176,7 +176,7 @@ def test_a_format_3_reranker_trained_on_the_fused_score_loads_warns_and_is_saved
         old.record(more, torch.tensor([1.0, -1.0]))
         seed += 1
     saved = json.loads((old.save(folder) / "meta.json").read_text())
-    assert saved["format_version"] == 4 and saved["lexical_definition"] == LEXICAL_DEFINITION
+    assert saved["format_version"] == FORMAT_VERSION and saved["lexical_definition"] == LEXICAL_DEFINITION
     caplog.clear()
     with caplog.at_level("WARNING", logger="rmm.policy.checkpoint"):
         Learner.load(folder, lexical_feature=True)
@@ -206,7 +206,7 @@ def test_a_format_3_checkpoint_without_the_lexical_weight_loads_with_no_warning(
         loaded = Learner.load(folder, lexical_feature=False)
     assert not loaded.reranker.lexical_feature and caplog.records == []
     saved = json.loads((loaded.save(folder) / "meta.json").read_text())
-    assert saved["format_version"] == 4 and "lexical_definition" not in saved
+    assert saved["format_version"] == FORMAT_VERSION and "lexical_definition" not in saved
 
 
 # ---- through the hybrid first stage and rmm train's trainer -----------------------------------------

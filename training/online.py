@@ -94,6 +94,7 @@ class OnlineConfig:
     importance: bool = LearnerConfig.importance  # weight stale selections by min(is_clip, π/μ)
     is_clip: float = LearnerConfig.is_clip
     lexical_feature: bool = True  # learn a weight for the first stage's scaled BM25 score (rmm.policy.reranker)
+    candidate_features: bool = True  # and weights for its per-candidate features (rmm.memory.features)
 
     def __post_init__(self) -> None:
         try:
@@ -117,7 +118,8 @@ class OnlineConfig:
     def learner_config(self) -> LearnerConfig:
         return LearnerConfig(lr=self.lr, batch_size=self.batch_size, baseline=self.baseline, tau=self.tau,
                              estimator=self.estimator, optimizer=self.optimizer, credit=self.credit,
-                             importance=self.importance, is_clip=self.is_clip, lexical_feature=self.lexical_feature)
+                             importance=self.importance, is_clip=self.is_clip, lexical_feature=self.lexical_feature,
+                             candidate_features=self.candidate_features)
 
     def resumable_as(self) -> dict[str, Any]:
         """The settings a resumed run must share with the run it continues."""
@@ -387,7 +389,8 @@ class OnlineTrainer:
         if state.get("version") != STATE_VERSION:
             raise CheckpointError(f"{self.output_dir} holds a run written by an older rmm (another checkpoint "
                                   "layout); it cannot be resumed: use another --output directory")
-        if {"lexical_feature": False, **state["config"]} != self.cfg.resumable_as():  # runs before the flag had none
+        # runs from before a flag existed ran without what it switches on
+        if {"lexical_feature": False, "candidate_features": False, **state["config"]} != self.cfg.resumable_as():
             raise ConfigError(f"{self.output_dir} holds a run with a different configuration; "
                               "use another --output directory or the same settings")
         self.done, self.rows, self.cited_ratio = Done.from_json(state["done"]), state["rows"], state["cited_ratio"]

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from rmm.frontends.agent import Agent
     from rmm.memory.bank import MemoryBank
     from rmm.memory.hybrid import HybridRetriever
+    from rmm.policy.recipes import LearnerConfig
 
     llm = load_llm(args.llm, **llm_options(args))
     if llm.name == "simulated":
@@ -66,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     # a log file beside the bank instead of between the turns.
     restore_logging = logs.to_file(log_path, args.verbose)
     try:
-        first_stage = HybridRetriever(bank, fusion=fusion) if fusion is not None else None
+        # the agent's rerankers weigh the first stage's candidate features (LearnerConfig's default)
+        first_stage = (HybridRetriever(bank, fusion=fusion, candidate_features=LearnerConfig.candidate_features)
+                       if fusion is not None else None)
         agent = Agent(bank, llm, first_stage=first_stage, k=args.k, m=args.m, tau=args.tau, recipe=args.recipe, learn=not args.no_learn,
                       structured=args.structured, per_user=args.per_user, store_turns=args.store_turns)
         try:

@@ -124,12 +124,15 @@ def run(args: argparse.Namespace) -> int:
 def _reranker_order(args: argparse.Namespace, opened: Any) -> Rank:
     """Each query's candidates (the retriever's top --depth or more) in the --reranker checkpoint's
     order: what `RerankedRetriever.search` would show for the same candidates, without searching again."""
+    from rmm.memory.hybrid import HybridRetriever
     from rmm.policy.learner import Learner
     from rmm.policy.retrieve import reranked
 
     if opened.encoder is None:  # a name that skipped the parser (its check refuses plain bm25 with --reranker)
         raise RmmError(unrerankable(opened.name) or f"{opened.name!r} gives no embeddings to rerank")
     reranker = Learner.load(args.reranker, encoder_name=opened.encoder.fingerprint, dim=opened.encoder.dim).reranker
+    if isinstance(opened.retriever, HybridRetriever):  # the features this reranker weighs, if any (not searched yet)
+        opened.retriever.candidate_features = bool(reranker.feature_names)
 
     def rank(found: list[Candidates]) -> list[list[str]]:
         return [reranked(reranker, c).memory_ids for c in found]

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from rmm.eval.benchmark_bank import open_retriever
     from rmm.eval.controller_recall import evaluate_controller_recall
     from rmm.frontends.trace import print_trace
+    from rmm.policy.recipes import LearnerConfig
 
     if args.command == OLD_NAME:
         log.warning("`rmm %s` is now `rmm eval-controller`; the old name goes in rmm 0.3", OLD_NAME)
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     llm = common.load_llm(args.llm, **common.llm_options(args))
     refuse_simulated(args, llm)
     opened = open_retriever(args.retriever, dataset, "turn", cache=args.cache_dir, device=args.device,
-                            batch_size=args.batch_size)
+                            batch_size=args.batch_size,
+                            candidate_features=LearnerConfig.candidate_features)  # what the frontends' rerankers weigh
     if opened.encoder is None:  # a name that skipped the parser (command line and config go through its type)
         raise RmmError(unrerankable(args.retriever) or f"{args.retriever!r} gives no embeddings to rerank")
 

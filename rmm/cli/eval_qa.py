@@ -62,6 +62,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rmm.eval.benchmark_bank import open_retriever
     from rmm.eval.qa import evaluate_qa
+    from rmm.policy.recipes import LearnerConfig
 
     dataset = load_questions(args)
     llm = load_llm(args.llm, **llm_options(args))
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     judge = load_llm(args.judge_llm) if args.judge_llm else llm
     opened = open_retriever(args.retriever, dataset, args.granularity, cache=args.cache_dir, device=args.device,
                             batch_size=args.batch_size, llm=llm if args.granularity == "topic" and
-                            not llm.name.startswith("simulated") else None)
+                            not llm.name.startswith("simulated") else None,
+                            candidate_features=LearnerConfig.candidate_features)  # what the frontends' rerankers weigh
     if opened.encoder is None:  # a name that skipped the parser (command line and config go through its type)
         raise RmmError(unrerankable(args.retriever) or f"{args.retriever!r} gives no embeddings to rerank")
     report = evaluate_qa(dataset, opened.retriever, llm, judge, granularity=args.granularity, limit=args.limit,

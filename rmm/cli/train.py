@@ -86,6 +86,9 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lexical-feature", dest="lexical_feature", action="store_false",
                    help="plain Eq. 1: no learned weight for the first stage's scaled BM25 score (our extension; "
                         "it acts only on --retriever hybrid[:DENSE] and bm25:DENSE candidates)")
+    p.add_argument("--no-candidate-features", dest="candidate_features", action="store_false",
+                   help="no learned weights for the first stage's per-candidate features (ranks, BM25 score, "
+                        "cosine, length, query overlap; our extension, on hybrid[:DENSE] and bm25:DENSE candidates)")
     p.add_argument("--delay", type=non_negative_int, default=0,
                    help="deliver each reward only after this many further learner updates (staleness study)")
     p.add_argument("--heldout", type=open_fraction, default=0.3,
@@ -138,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
     dataset = load_benchmark(args)
     opened = open_retriever(args.retriever, dataset, args.granularity, cache=args.cache_dir, device=args.device,
-                            batch_size=args.batch_size, store=args.store)
+                            batch_size=args.batch_size, store=args.store, candidate_features=args.candidate_features)
     if opened.encoder is None:  # a name that skipped the parser (command line and config go through its type)
         raise RmmError(unrerankable(args.retriever) or f"{args.retriever!r} gives no embeddings to rerank")
     cfg = _online_config(args, normalized_encoder=opened.encoder.config.normalize)
@@ -195,7 +198,7 @@ def _online_config(args: argparse.Namespace, normalized_encoder: bool) -> Any:
     return OnlineConfig(k=args.k, m=args.m, epochs=args.epochs, per_user=args.per_user, heldout_fraction=args.heldout,
                         seed=args.seed, citer=args.citer, precision=args.precision, recall=args.recall,
                         importance=not args.no_is, delay=args.delay, structured=args.structured,
-                        lexical_feature=args.lexical_feature,
+                        lexical_feature=args.lexical_feature, candidate_features=args.candidate_features,
                         concurrency=args.concurrency, llm_batch=args.llm_batch, max_tokens=args.max_tokens, **values)
 
 

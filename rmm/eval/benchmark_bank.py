@@ -149,7 +149,8 @@ class DatasetRetriever:
 def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str | Path | None = None,
                    device: str = "auto", index_backend: str = "torch", batch_size: int = 64,
                    progress: bool = True, llm: LLM | None = None,
-                   reflector_options: dict[str, Any] | None = None, store: str | None = None) -> DatasetRetriever:
+                   reflector_options: dict[str, Any] | None = None, store: str | None = None,
+                   candidate_features: bool = False) -> DatasetRetriever:
     """`bm25`, an encoder preset, an encoder folder, `hybrid[:DENSE]` or `bm25:DENSE` → a filled,
     cached retriever.
 
@@ -161,7 +162,8 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
     Topic granularity builds the bank by prospective reflection (with `llm`, else the labelled
     non-LLM fallback); the cache key includes the reflector's settings. With `store` (a
     ``postgresql://`` URL) the bank is kept in that database, one schema per cache key, instead of
-    the cache folder.
+    the cache folder. `candidate_features` makes a hybrid or `bm25:DENSE` first stage compute the
+    reranker's per-candidate features (`rmm.memory.features`); other retrievers have none to compute.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -171,7 +173,8 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
         inner = open_retriever(parsed.dense, dataset, granularity, cache=cache, device=device,
                                index_backend=index_backend, batch_size=batch_size, progress=progress, llm=llm,
                                reflector_options=reflector_options, store=store)
-        first_stage = HybridRetriever(inner.retriever, fusion=parsed.fusion)  # type: ignore[arg-type]
+        first_stage = HybridRetriever(inner.retriever, fusion=parsed.fusion,  # type: ignore[arg-type]
+                                      candidate_features=candidate_features)
         return DatasetRetriever(name, first_stage, inner.encoder, inner.path)
     digest = dataset_digest(dataset, granularity)
     root = cache_dir(cache) / "banks"

@@ -36,6 +36,13 @@ sets the scale, so the same memory has the same feature whatever K is.
 as `BM25Retriever` over the bank's store), and the dense bank only supplies each candidate's
 embedding and the query's, so the reranker can rescore a BM25 first stage (`--retriever
 bm25:DENSE`). Its lexical feature is the same BM25 score scaled over BM25's top `depth`.
+
+With `candidate_features=True` every candidate list also carries `rmm.memory.features`'
+`CANDIDATE_FEATURES` (`Candidates.features` [K, F], `feature_names`): each half's ranks, BM25's
+scaled score, the cosine and its gap, the memory's length and its content-word overlap with the
+query, computed here from the two lists `_fuse` already holds (depth `depth`; with
+`fusion="lexical"` the dense list is empty, so every dense rank is the depth) and the memories'
+texts (one store read per query). Off by default: only a reranker that weighs them needs them.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import torch
 
 from rmm.memory.bank import EncoderLike, MemoryBank
 from rmm.memory.bm25 import BM25Retriever
+from rmm.memory.features import CANDIDATE_FEATURES, candidate_feature_matrix
 from rmm.memory.storage import MemoryStorage
 from rmm.types import Candidates, Memory
 
@@ -103,7 +111,7 @@ class HybridRetriever:
     like the bank for everything the trainer reads."""
 
     def __init__(self, bank: MemoryBank, *, fusion: Fusion = "rrf", rrf_k: float = 10.0, alpha: float = 0.5,
-                 depth: int = 50, lexical: BM25Retriever | None = None) -> None:
+                 depth: int = 50, lexical: BM25Retriever | None = None, candidate_features: bool = False) -> None:
         if fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
@@ -114,7 +122,10 @@ class HybridRetriever:
             raise ValueError(f"rrf_k must be >= 0, got {rrf_k}")
         self.bank = bank
         self.lexical = lexical if lexical is not None else BM25Retriever(bank.store)
+        if type(candidate_features) is not bool:
+            raise ValueError(f"candidate_features must be true or false, got {candidate_features!r}")
         self.fusion, self.rrf_k, self.alpha, self.depth = fusion, rrf_k, alpha, depth
+        self.candidate_features = candidate_features  # fill `Candidates.features` (module docstring)
 
     # -- what callers of a dense bank read ------------------------------------------------------
     @property
@@ -223,6 +234,9 @@ class HybridRetriever:
             ranked = torch.tensor([bm25[m] for m in order], dtype=torch.float32)
         else:
             ranked = torch.tensor([fused[m] for m in order], dtype=torch.float32)
+        features, names = None, ()
+        if self.candidate_features:
+            features, names = self.features_of(dense, lexical, order, embeddings, user), CANDIDATE_FEATURES
         return Candidates(
             query=dense.query,
             memory_ids=order,
@@ -231,7 +245,21 @@ class HybridRetriever:
             query_embedding=dense.query_embedding,
             user_id=user,
             lexical=self.lexical_feature(lexical, order, scaled),
+            features=features,
+            feature_names=names,
         )
+
+    def features_of(self, dense: Candidates, lexical: Candidates, order: list[str], embeddings: torch.Tensor,
+                    user: str) -> torch.Tensor:
+        """`CANDIDATE_FEATURES` of the memories of `order` ([K, F]): from both halves' lists (each searched
+        at least `depth` deep), the candidates' bank `embeddings` · the query's, and their texts."""
+        texts = [m.source_text or m.text for m in self.bank.get(user, order)] if order else []
+        query = dense.query_embedding
+        cosines = (embeddings @ query.reshape(-1).to(embeddings.dtype)).tolist() if query is not None else [0.0] * len(order)
+        return candidate_feature_matrix(
+            dense.query, order, texts, cosines,
+            (dense.memory_ids, dense.retriever_scores.tolist()),
+            (lexical.memory_ids, lexical.retriever_scores.tolist()), self.depth)
 
     def scaled_bm25(self, lexical: Candidates) -> dict[str, float]:
         """BM25's score min-max scaled over its top `depth` of `lexical` (BM25's list, searched at least

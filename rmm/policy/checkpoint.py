@@ -21,7 +21,9 @@ its w and residual are where learning resumes, and its pending selections keep t
 were sampled with, so every update stays correct — and the first save after an update records
 today's definition (a save with no update since loading, e.g. `rmm chat --no-learn` closing, keeps
 the old one, so the warning repeats until the weights have learned on today's feature).
-A definition this rmm does not know is refused.
+A definition this rmm does not know is refused. Format 5 adds `feature_names` to the meta: the
+candidate features (`rmm.memory.features`) the reranker weighs, in the order of its
+`feature_weight` (empty: none); formats 1–4 predate them and load without any.
 
 It is written to a temporary sibling and swapped in with two renames: a crash mid-write never
 leaves a half-written folder where the old one was, and a crash between the renames leaves the
@@ -39,6 +41,7 @@ import os
 import shutil
 import tarfile
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,14 +64,18 @@ __all__ = [
     "finish_interrupted_swap",
     "pack_checkpoint",
     "read_checkpoint",
+    "saved_feature_names",
+    "saved_lexical_feature",
     "unpack_checkpoint",
     "write_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 4  # 2: records carry τ, μ, version, mask; config credit/importance. 3: lexical_feature. 4: lexical_definition
-READABLE_VERSIONS = (1, 2, 3, 4)  # older ones the learner upgrades on load
+# 2: records carry τ, μ, version, mask; config credit/importance. 3: lexical_feature. 4: lexical_definition.
+# 5: feature_names (and records' candidate features)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)  # older ones the learner upgrades on load
 LEGACY_LEXICAL_DEFINITION = "fused-over-max"  # what a format-3 reranker's lexical weight was trained on
 _LEXICAL_DEFINITIONS = (LEGACY_LEXICAL_DEFINITION, LEXICAL_DEFINITION)
 KIND = "rmm-reranker"
@@ -302,3 +309,37 @@ def unpack_checkpoint(data: bytes, folder: str | Path) -> Path:
     except (tarfile.TarError, KeyError) as exc:
         raise CheckpointError(f"packed checkpoint is unreadable: {exc}") from exc
     return folder
+
+
+def saved_lexical_feature(folder: Path, meta: dict[str, Any], expected: bool | None) -> bool:
+    """Whether a checkpoint's reranker has the lexical weight; a clear error when it states the
+    other setting than `expected`. Checkpoints older than the feature state none: plain Eq. 1."""
+    stated = meta.get("lexical_feature")
+    if stated is None:
+        if expected:
+            log.info("reranker checkpoint %s predates the lexical feature; loading it as plain Eq. 1", folder)
+        return False
+    if expected is not None and bool(stated) != expected:
+        trained, asked = ("with", "without") if stated else ("without", "with")
+        raise CheckpointError(f"reranker checkpoint {folder} was trained {trained} the lexical feature, but this "
+                              f"run asks for a reranker {asked} it; match the setting (--no-lexical-feature / "
+                              "lexical_feature) or use another checkpoint folder")
+    return bool(stated)
+
+
+def saved_feature_names(folder: Path, meta: dict[str, Any], expected: Sequence[str] | None) -> tuple[str, ...]:
+    """The candidate features a checkpoint's reranker weighs, in order; a one-line error when a format-5
+    checkpoint states others than `expected`. Formats 1–4 predate them: none, whatever is expected."""
+    stated = meta.get("feature_names")
+    if stated is None:
+        if expected:
+            log.info("reranker checkpoint %s predates candidate features; loading it without them", folder)
+        return ()
+    if not isinstance(stated, list) or not all(isinstance(n, str) for n in stated):
+        raise CheckpointError(f"{folder / META} has feature_names {stated!r}; expected a list of names")
+    names = tuple(stated)
+    if expected is not None and names != tuple(expected):
+        raise CheckpointError(f"reranker checkpoint {folder} weighs candidate features {list(names) or 'none'}, but "
+                              f"this run asks for {list(expected) or 'none'}; match the setting "
+                              "(--no-candidate-features / candidate_features) or use another checkpoint folder")
+    return names

@@ -28,7 +28,13 @@ from torch import Tensor
 
 from rmm.device import resolve_device
 from rmm.errors import CheckpointError
-from rmm.policy.checkpoint import FORMAT_VERSION, read_checkpoint, write_checkpoint
+from rmm.policy.checkpoint import (
+    FORMAT_VERSION,
+    read_checkpoint,
+    saved_feature_names,
+    saved_lexical_feature,
+    write_checkpoint,
+)
 from rmm.policy.credit import log_importance, pick_weights, truncated_importance
 from rmm.policy.optimizer import make_optimizer, optimizer_step
 from rmm.policy.recipes import (
@@ -180,7 +186,8 @@ class Learner:
             self.stats.skipped_greedy += 1
             log.warning("selection %s was greedy (explore=False), not sampled; not learned from", selection.id)
             return None
-        self._buffer.append(rewarded(selection, rewards, self.dim, self._tau_of(selection)))
+        self._buffer.append(rewarded(selection, rewards, self.dim, self._tau_of(selection),
+                                     self.reranker.feature_names))
         self.stats.records += 1
         if len(self._buffer) >= self.config.batch_size:
             return self._update()
@@ -232,9 +239,9 @@ class Learner:
         paper = self.config.estimator == "paper"
         t = stack_rewarded(batch, paper).to(self.device)
         if taps is None:
-            scores = self.reranker.policy_scores(t.queries, t.memories, t.lexical)
+            scores = self.reranker.policy_scores(t.queries, t.memories, t.lexical, t.features)
         else:
-            scores, tap = self.reranker.tapped_policy_scores(t.queries, t.memories, t.lexical)
+            scores, tap = self.reranker.tapped_policy_scores(t.queries, t.memories, t.lexical, t.features)
             taps.append(tap)
         logits = scores / t.taus.unsqueeze(-1)  # each selection at the τ it was sampled at
         if t.pick_valid is None and t.mask is None:  # no padding, no masks: real picks only (`rewarded` checks them)
@@ -295,18 +302,20 @@ class Learner:
 
     def _backward(self, loss: Tensor, tap: PolicyTaps | None) -> None:
         """`loss.backward()`, the two d×d gradients written into buffers kept between updates
-        (`weight_grads`; set as `.grad` until the step is over) instead of allocated afresh."""
+        (`weight_grads`; set as `.grad` until the step is over) instead of allocated afresh; the lexical
+        and feature weights' gradients straight from autograd (None where the batch has no such input)."""
         if tap is None:  # an empty batch's loss does not go through the taps
             loss.backward()
             return
-        wq, wm, w = self.reranker.W_q.weight, self.reranker.W_m.weight, self.reranker.lexical_weight
-        grads = torch.autograd.grad(loss, [tap.lin, tap.mmo] + ([w] if w is not None else []), allow_unused=True)
+        wq, wm = self.reranker.W_q.weight, self.reranker.W_m.weight
+        scalars = [w for w in (self.reranker.lexical_weight, self.reranker.feature_weight) if w is not None]
+        grads = torch.autograd.grad(loss, [tap.lin, tap.mmo, *scalars], allow_unused=True)
         if self._grad_buffers is None or self._grad_buffers[0].device != wq.device:
             self._grad_buffers = (torch.empty_like(wq), torch.empty_like(wm))
         self.reranker.weight_grads(tap, grads[0], grads[1], *self._grad_buffers)
         wq.grad, wm.grad = self._grad_buffers
-        if w is not None:
-            w.grad = grads[2]
+        for w, g in zip(scalars, grads[2:]):
+            w.grad = g
 
     def _count(self, batch: list[RewardedSelection]) -> None:
         self.stats.reward_sum += float(sum(p.rewards.sum() for p in batch))
@@ -334,7 +343,8 @@ class Learner:
         """Write the checkpoint folder atomically (temp sibling, then swap); returns its path."""
         meta: dict[str, Any] = {"dim": self.dim, "encoder_name": self.encoder_name, "step": self.stats.step,
                                 "stats": asdict(self.stats), "config": asdict(self.config),
-                                "lexical_feature": self.reranker.lexical_feature}
+                                "lexical_feature": self.reranker.lexical_feature,
+                                "feature_names": list(self.reranker.feature_names)}
         kept = self._loaded_definition
         if self.reranker.lexical_feature and kept is not None and kept[1] == self.stats.step:
             meta["lexical_definition"] = kept[0]  # no update since loading: still what it was trained on
@@ -355,6 +365,7 @@ class Learner:
         dim: int | None = None,
         device: str | torch.device = "cpu",
         lexical_feature: bool | None = None,
+        feature_names: Sequence[str] | None = None,
     ) -> Learner:
         """Resume from `save`'s folder; refuses another encoder or dimension than expected, and
         (when `lexical_feature` is given) a checkpoint whose reranker states the other setting.
@@ -365,14 +376,18 @@ class Learner:
         did with them). A checkpoint from before the lexical feature (no `lexical_feature` in its
         meta) is a plain Eq. 1 reranker and loads as one, whatever is expected. The reranker's own
         setting is in the meta; `config.lexical_feature` is what a registry builds new rerankers with.
+        Likewise `feature_names` (when given) must be the candidate features a format-5 checkpoint's
+        reranker weighs; formats 1–4 predate them and load without any.
         """
         saved = read_checkpoint(path, encoder_name=encoder_name, dim=dim)
         meta = saved.meta
-        saved_lexical = _saved_lexical_feature(saved.folder, meta, lexical_feature)
+        saved_lexical = saved_lexical_feature(saved.folder, meta, lexical_feature)
+        saved_features = saved_feature_names(saved.folder, meta, feature_names)
         try:
             config = LearnerConfig(**{f.name: meta["config"][f.name] for f in fields(LearnerConfig)
                                       if f.name in meta["config"]})
-            reranker = ResidualLinearReranker(int(meta["dim"]), lexical_feature=saved_lexical)
+            reranker = ResidualLinearReranker(int(meta["dim"]), lexical_feature=saved_lexical,
+                                              feature_names=saved_features)
             reranker.load_state_dict(saved.weights)
             learner = cls(reranker, config, encoder_name=meta["encoder_name"], device=device)
             learner.optimizer.load_state_dict(saved.training["optimizer"])
@@ -401,18 +416,3 @@ class Learner:
         return RewardedSelection(query=state["query"], memories=state["memories"], chosen=chosen, rewards=state["rewards"],
                         noise=state.get("noise"), tau=tau, behaviour_logp=mu)
 
-
-def _saved_lexical_feature(folder: Path, meta: dict[str, Any], expected: bool | None) -> bool:
-    """Whether a checkpoint's reranker has the lexical weight; a clear error when it states the
-    other setting than `expected`. Checkpoints older than the feature state none: plain Eq. 1."""
-    stated = meta.get("lexical_feature")
-    if stated is None:
-        if expected:
-            log.info("reranker checkpoint %s predates the lexical feature; loading it as plain Eq. 1", folder)
-        return False
-    if expected is not None and bool(stated) != expected:
-        trained, asked = ("with", "without") if stated else ("without", "with")
-        raise CheckpointError(f"reranker checkpoint {folder} was trained {trained} the lexical feature, but this "
-                              f"run asks for a reranker {asked} it; match the setting (--no-lexical-feature / "
-                              "lexical_feature) or use another checkpoint folder")
-    return bool(stated)

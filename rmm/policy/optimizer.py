@@ -1,7 +1,8 @@
 """The reranker's optimizer: which parameters step at which rate, and with what.
 
 Eq. 1's two d×d matrices step at the learner's lr; the lexical weight (one scalar) has its own
-group, so its rate can differ. Adam is the fused implementation where torch has one.
+group, so its rate can differ; with candidate features it joins their weights in a group at
+`FEATURE_LR_SCALE` × lr. Adam is the fused implementation where torch has one.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ from torch.autograd.graph import increment_version
 from rmm.policy.recipes import LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
 
-__all__ = ["LEXICAL_LR_SCALE", "OptimizerStepError", "make_optimizer", "optimizer_step", "param_groups"]
+__all__ = ["FEATURE_LR_SCALE", "LEXICAL_LR_SCALE", "OptimizerStepError", "make_optimizer", "optimizer_step", "param_groups"]
 
 # The lexical weight's step relative to lr (`param_groups`). On LoCoMo's training conversations
 # (prequential recall@5 of rmm train --retriever hybrid) ×10 and ×30 learned w to 0.42–0.57 from a start
 # of 0 or 0.3 but scored 51.5–52.2 against 52.9 for ×1 from 0.3, so the step stays the matrices'.
 LEXICAL_LR_SCALE = 1.0
+# The candidate feature weights' step (and the lexical weight's beside them) relative to lr. Adam moves each
+# about lr per step, so at the matrices' 3e-4 the scalar weights hardly leave their start in a run; the
+# online prototype (scripts/reranker_online_features.py, training users only) learned them at 3e-3 vs 3e-4:
+# MSC limit 3000, all features at ×1 −0.3, at ×10 +1.3 R@5 (docs/results/s4/h3/design_note.md).
+FEATURE_LR_SCALE = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +43,13 @@ _direct_disabled = False
 def param_groups(reranker: ResidualLinearReranker, lr: float) -> list[dict[str, Any]]:
     """Eq. 1's matrices at `lr`; the lexical weight, one scalar, at `LEXICAL_LR_SCALE × lr` (Adam moves
     a parameter about lr per step whatever its gradient: at lr 3e-4 w travels at most ~0.1 in a
-    LoCoMo training stream, so its start matters more than its step there)."""
+    LoCoMo training stream, so its start matters more than its step there). With candidate features
+    the lexical weight and the feature weights share one group at `FEATURE_LR_SCALE × lr`."""
     groups: list[dict[str, Any]] = [{"params": [reranker.W_q.weight, reranker.W_m.weight]}]
-    if reranker.lexical_weight is not None:
+    if reranker.feature_weight is not None:
+        scalars = [w for w in (reranker.lexical_weight, reranker.feature_weight) if w is not None]
+        groups.append({"params": scalars, "lr": lr * FEATURE_LR_SCALE})
+    elif reranker.lexical_weight is not None:
         groups.append({"params": [reranker.lexical_weight], "lr": lr * LEXICAL_LR_SCALE})
     return groups
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,13 +35,14 @@ def learner_to_bytes(learner: Learner) -> bytes:
 
 
 def learner_from_bytes(data: bytes, *, encoder_name: str | None, dim: int | None, device: Any = "cpu",
-                       lexical_feature: bool | None = None) -> Learner:
+                       lexical_feature: bool | None = None,
+                       feature_names: Sequence[str] | None = None) -> Learner:
     """A learner from `learner_to_bytes`'s bytes (refuses another encoder, dimension or, when
-    given, lexical-feature setting — as `Learner.load` does for a folder)."""
+    given, lexical-feature setting or candidate features — as `Learner.load` does for a folder)."""
     with tempfile.TemporaryDirectory(prefix="rmm-ckpt-") as tmp:
         folder = unpack_checkpoint(data, Path(tmp) / "ckpt")
         return Learner.load(folder, encoder_name=encoder_name, dim=dim, device=device,
-                            lexical_feature=lexical_feature)
+                            lexical_feature=lexical_feature, feature_names=feature_names)
 
 
 class RerankerVersions:

@@ -29,7 +29,9 @@ class LearnerConfig:
     its own τ is learned at that τ, so sampling and log π never use two different values.
     `lexical_feature`: rerankers a registry builds get the learned weight of the hybrid first
     stage's scaled BM25 score (`rmm.policy.reranker`; our extension of Eq. 1, a no-op for candidates
-    without the feature); a learner given a reranker learns whatever that reranker has."""
+    without the feature); a learner given a reranker learns whatever that reranker has.
+    `candidate_features`: rerankers a registry builds weigh `rmm.memory.features.CANDIDATE_FEATURES`
+    (hybrid and bm25:DENSE first stages compute them; zeros for candidates without)."""
 
     lr: float = 1e-3
     batch_size: int = 4
@@ -43,6 +45,7 @@ class LearnerConfig:
     is_clip: float = 1.0
     is_normalize: bool = False
     lexical_feature: bool = True
+    candidate_features: bool = True
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -67,6 +70,8 @@ class LearnerConfig:
             raise ValueError(f"is_normalize must be true or false, got {self.is_normalize!r}")
         if type(self.lexical_feature) is not bool:
             raise ValueError(f"lexical_feature must be true or false, got {self.lexical_feature!r}")
+        if type(self.candidate_features) is not bool:
+            raise ValueError(f"candidate_features must be true or false, got {self.candidate_features!r}")
         if isinstance(self.is_clip, bool) or not isinstance(self.is_clip, (int, float)) or not self.is_clip > 0:
             raise ValueError(f"is_clip must be a number > 0 (inf: no truncation), got {self.is_clip!r}")
 

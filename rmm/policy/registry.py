@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from rmm.errors import DimensionMismatchError
+from rmm.memory.features import CANDIDATE_FEATURES
 from rmm.policy.checkpoint import backup_of, checkpoint_exists, finish_interrupted_swap
 from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
@@ -72,6 +73,11 @@ class LearnerRegistry:
             finish_interrupted_swap(self.root)  # the shared folder holds every key's checkpoint
 
     @property
+    def feature_names(self) -> tuple[str, ...]:
+        """The candidate features the rerankers it builds weigh (`config.candidate_features`), in order."""
+        return CANDIDATE_FEATURES if self.config.candidate_features else ()
+
+    @property
     def lock(self) -> threading.RLock:
         """Held by `get`, `save` and `drop`; hold it too while a learner's weights are read or stepped
         from several threads, so that a checkpoint never captures half an optimizer step."""
@@ -89,10 +95,12 @@ class LearnerRegistry:
                     self._version[key] = stored[0]
                 elif path is not None and checkpoint_exists(path):
                     learner = Learner.load(path, encoder_name=self.encoder_name, dim=self.dim, device=self.device,
-                                          lexical_feature=self.config.lexical_feature)
+                                          lexical_feature=self.config.lexical_feature,
+                                          feature_names=self.feature_names)
                     log.info("loaded reranker checkpoint %s (step %d)", path, learner.stats.step)
                 else:
-                    reranker = ResidualLinearReranker(self.dim, self.config.lexical_feature)
+                    reranker = ResidualLinearReranker(self.dim, self.config.lexical_feature,
+                                                      feature_names=self.feature_names)
                     learner = Learner(reranker, self.config, encoder_name=self.encoder_name, device=self.device)
                 self._learners[key] = learner
                 self._saved[key] = _progress(learner)
@@ -103,7 +111,8 @@ class LearnerRegistry:
         from rmm.policy.pg_versions import learner_from_bytes
 
         learner = learner_from_bytes(data, encoder_name=self.encoder_name, dim=self.dim, device=self.device,
-                                     lexical_feature=self.config.lexical_feature)
+                                     lexical_feature=self.config.lexical_feature,
+                                     feature_names=self.feature_names)
         log.info("loaded reranker %r version %d (step %d)", key, version, learner.stats.step)
         return learner
 

@@ -29,6 +29,15 @@ docs/results.md), so an untrained reranker over hybrid candidates is *not* Eq. 1
 cosine + 0.3·f. A candidate list without the feature (dense retriever) gets f = 0, a constant that
 changes no order and no probability, so the same reranker serves both.
 Sampling folds the term into the dispatched kernel as one more dimension (`[q A, w]·[m, f]`).
+
+Candidate features (our extension too, issue 14): a reranker built with `feature_names` (the
+hybrid first stage's `rmm.memory.features.CANDIDATE_FEATURES`) adds `x_i·v`, `x_i` the candidate's
+row of `Candidates.features` and `v` (`feature_weight`, one weight per name) starting at 0, so an
+untrained reranker ranks exactly as it would without them. A list without features counts as
+zeros (like the lexical feature); a list whose `feature_names` differ from the reranker's is a
+`FeatureMismatchError` naming both (a weight must never meet another feature's column). A reranker
+without features ignores whatever features its candidates carry. Sampling folds them with `w`:
+`[q A, w, v]·[m, f, x]`.
 """
 
 from __future__ import annotations
@@ -40,12 +49,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rmm.errors import DimensionMismatchError
+from rmm.errors import DimensionMismatchError, FeatureMismatchError
 from rmm.kernels.dispatch import rerank, resolve_backend
 from rmm.kernels.reference import rerank_rows
 from rmm.types import Candidates, Selection
 
-__all__ = ["LEXICAL_INIT", "PolicyTaps", "ResidualLinearReranker", "candidate_subset", "stack_candidates", "stack_lexical"]
+__all__ = ["LEXICAL_INIT", "PolicyTaps", "ResidualLinearReranker", "candidate_subset", "check_feature_names",
+           "stack_candidates", "stack_features", "stack_lexical"]
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +124,44 @@ def stack_lexical(features: Sequence[Tensor | None], k_max: int, device: torch.d
     return out
 
 
+def stack_features(features: Sequence[Tensor | None], k_max: int, width: int, device: torch.device | None = None,
+                   dtype: torch.dtype = torch.float32) -> Tensor | None:
+    """`[B, K, F]` candidate features, one block per list (0 at padding and for lists without any);
+    None when no list has any. Sampling time (candidates) and update time (rewarded records) alike."""
+    if width == 0 or all(f is None for f in features):
+        return None
+    if len(features) == 1 and features[0] is not None and features[0].shape == (k_max, width):
+        return features[0].unsqueeze(0).to(device, dtype)
+    out = torch.zeros(len(features), k_max, width, device=device, dtype=dtype)
+    for i, f in enumerate(features):
+        if f is not None:
+            out[i, : f.shape[0]] = f.to(out.device, dtype)
+    return out
+
+
+def check_feature_names(given: Sequence[str], expected: Sequence[str], where: str) -> None:
+    """A `FeatureMismatchError` naming both sets when features named `given` would meet weights named `expected`."""
+    if tuple(given) != tuple(expected):
+        raise FeatureMismatchError(
+            f"{where} carry candidate features {list(given)}, the reranker weighs {list(expected)}; use a "
+            "reranker trained on this first stage's features (or none: --no-candidate-features)")
+
+
+def _features_of(candidates: Sequence[Candidates], names: tuple[str, ...]) -> list[Tensor | None]:
+    """Each list's features, checked against the reranker's `names` and to be [K, F]."""
+    out: list[Tensor | None] = []
+    for i, c in enumerate(candidates):
+        if c.features is None:
+            out.append(None)
+            continue
+        check_feature_names(c.feature_names, names, f"candidates[{i}]")
+        if c.features.shape != (len(c), len(names)):
+            raise ValueError(f"candidates[{i}].features has shape {tuple(c.features.shape)}, expected "
+                             f"[{len(c)}, {len(names)}]")
+        out.append(c.features)
+    return out
+
+
 def _lexical_of(candidates: Sequence[Candidates]) -> list[Tensor | None]:
     """Each list's lexical feature, checked to have one entry per candidate."""
     for i, c in enumerate(candidates):
@@ -133,6 +181,8 @@ def candidate_subset(candidates: Candidates, positions: Sequence[int]) -> Candid
         query_embedding=candidates.query_embedding,
         user_id=candidates.user_id,
         lexical=None if candidates.lexical is None else candidates.lexical[index],
+        features=None if candidates.features is None else candidates.features[index],
+        feature_names=candidates.feature_names,
     )
 
 
@@ -191,9 +241,11 @@ class PolicyTaps:
 
 class ResidualLinearReranker(nn.Module):
     """Eq. 1 with zero-initialised `W_q`, `W_m` (no bias: a bias would shift every score alike),
-    plus the learned lexical weight `w` when `lexical_feature` (module docstring)."""
+    plus the learned lexical weight `w` when `lexical_feature` and one weight per candidate feature
+    of `feature_names` (module docstring)."""
 
-    def __init__(self, dim: int, lexical_feature: bool = False, lexical_init: float | None = None) -> None:
+    def __init__(self, dim: int, lexical_feature: bool = False, lexical_init: float | None = None,
+                 feature_names: Sequence[str] = ()) -> None:
         super().__init__()
         if dim <= 0:
             raise ValueError(f"dim must be positive, got {dim}")
@@ -208,6 +260,14 @@ class ResidualLinearReranker(nn.Module):
             self.lexical_weight = nn.Parameter(torch.tensor(init))
         else:  # no parameter at all: the state dict (and a checkpoint) stays Eq. 1's
             self.register_parameter("lexical_weight", None)
+        if isinstance(feature_names, str) or len(set(feature_names)) != len(feature_names):
+            raise ValueError(f"feature_names must be distinct names, got {feature_names!r}")
+        self._feature_names: tuple[str, ...] = tuple(str(n) for n in feature_names)
+        self.feature_weight: nn.Parameter | None
+        if self._feature_names:  # starts at 0: the features change no ranking until learned
+            self.feature_weight = nn.Parameter(torch.zeros(len(self._feature_names)))
+        else:  # no parameter: the state dict (and a checkpoint) stays as it was before the features
+            self.register_parameter("feature_weight", None)
         self._folded: tuple[tuple, Tensor] | None = None
         self._served: tuple[tuple | None, int] = (None, 0)  # query rows served per weight version
         # The weights version stamped on every Selection: the learner that owns this reranker sets it
@@ -219,22 +279,35 @@ class ResidualLinearReranker(nn.Module):
         """Whether this reranker learns the lexical weight `w` (our extension of Eq. 1)."""
         return self.lexical_weight is not None
 
-    def _plus_lexical(self, scores: Tensor, lexical: Tensor | None) -> Tensor:
-        """`scores + w·f` with the feature on and given; `scores` unchanged otherwise."""
-        if self.lexical_weight is None or lexical is None:
-            return scores
-        if lexical.shape != scores.shape:
-            raise ValueError(f"lexical features of shape {tuple(lexical.shape)} for scores {tuple(scores.shape)}")
-        return scores + self.lexical_weight.to(scores.dtype) * lexical.to(scores.device, scores.dtype)
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        """The candidate features this reranker weighs, in `feature_weight`'s order (() = none)."""
+        return self._feature_names
+
+    def _plus_lexical(self, scores: Tensor, lexical: Tensor | None, features: Tensor | None = None) -> Tensor:
+        """`scores + w·f + x·v` for the terms that are on and given; `scores` unchanged otherwise."""
+        if self.lexical_weight is not None and lexical is not None:
+            if lexical.shape != scores.shape:
+                raise ValueError(f"lexical features of shape {tuple(lexical.shape)} for scores {tuple(scores.shape)}")
+            scores = scores + self.lexical_weight.to(scores.dtype) * lexical.to(scores.device, scores.dtype)
+        if self.feature_weight is not None and features is not None:
+            if features.shape != (*scores.shape, self.feature_weight.numel()):
+                raise ValueError(f"candidate features of shape {tuple(features.shape)} for scores "
+                                 f"{tuple(scores.shape)} and {self.feature_weight.numel()} feature weights")
+            scores = scores + features.to(scores.device, scores.dtype) @ self.feature_weight.to(scores.dtype)
+        return scores
 
     # ---- training path -------------------------------------------------------------------
-    def forward(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None) -> Tensor:
-        """Scores `[B, K]` in the plain Eq. 1 form (autograd flows to `W_q`, `W_m` and `w`)."""
+    def forward(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None,
+                features: Tensor | None = None) -> Tensor:
+        """Scores `[B, K]` in the plain Eq. 1 form (autograd flows to `W_q`, `W_m`, `w` and `v`);
+        `lexical` [B, K] and `features` [B, K, F] as `stack_lexical` / `stack_features` give them."""
         q = queries + self.W_q(queries)
         m = memories + self.W_m(memories)
-        return self._plus_lexical((m @ q.unsqueeze(-1)).squeeze(-1), lexical)
+        return self._plus_lexical((m @ q.unsqueeze(-1)).squeeze(-1), lexical, features)
 
-    def policy_scores(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None) -> Tensor:
+    def policy_scores(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None,
+                      features: Tensor | None = None) -> Tensor:
         """Same scores and gradients as `forward`, computed query-side (what the learner uses).
 
         `m'·q' = (m + m W_mᵀ)·q' = m·(q' + q' W_m)`: the memory transform moves onto the one
@@ -242,10 +315,10 @@ class ResidualLinearReranker(nn.Module):
         """
         q = queries + self.W_q(queries)
         u = q + q @ self.W_m.weight
-        return self._plus_lexical((memories @ u.unsqueeze(-1)).squeeze(-1), lexical)
+        return self._plus_lexical((memories @ u.unsqueeze(-1)).squeeze(-1), lexical, features)
 
-    def tapped_policy_scores(self, queries: Tensor, memories: Tensor,
-                             lexical: Tensor | None = None) -> tuple[Tensor, PolicyTaps]:
+    def tapped_policy_scores(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None,
+                             features: Tensor | None = None) -> tuple[Tensor, PolicyTaps]:
         """`policy_scores` with the matrices detached and their two products exposed as taps.
 
         Autograd on `policy_scores` allocates both d×d weight gradients afresh at every update;
@@ -259,7 +332,7 @@ class ResidualLinearReranker(nn.Module):
         u = q + mmo
         # the bmm that `memories @ u.unsqueeze(-1)` reaches through matmul's views, called directly: the same
         # values and gradients, fewer ops and autograd nodes
-        scores = self._plus_lexical(torch.bmm(memories, u.unsqueeze(-1)).squeeze(-1), lexical)
+        scores = self._plus_lexical(torch.bmm(memories, u.unsqueeze(-1)).squeeze(-1), lexical, features)
         return scores, PolicyTaps(queries=queries, lin=lin, q=q, mmo=mmo)
 
     @staticmethod
@@ -317,11 +390,12 @@ class ResidualLinearReranker(nn.Module):
             transformed = queries + queries @ wq.T
             return transformed + transformed @ wm
 
-    def fast_scores(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None) -> Tensor:
+    def fast_scores(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None,
+                    features: Tensor | None = None) -> Tensor:
         """Scores `[B, K]` through the folded query (no gradients); equal to `forward`."""
         transformed = self.transform_queries(queries)
         with torch.no_grad():
-            return self._plus_lexical((memories @ transformed.unsqueeze(-1)).squeeze(-1), lexical)
+            return self._plus_lexical((memories @ transformed.unsqueeze(-1)).squeeze(-1), lexical, features)
 
     @torch.no_grad()
     def select(
@@ -357,8 +431,11 @@ class ResidualLinearReranker(nn.Module):
         k_max = memories.shape[1]
         m_batch = min(m, max(counts, default=0))
         lexical = None if self.lexical_weight is None else stack_lexical(_lexical_of(candidates), k_max, weight.device, weight.dtype)
+        features = None if self.feature_weight is None else stack_features(
+            _features_of(candidates, self._feature_names), k_max, len(self._feature_names), weight.device, weight.dtype)
         if k_max == 0 or m_batch == 0:  # nothing to pick from, or nothing asked for
-            scores = self.fast_scores(queries, memories, lexical).cpu() if k_max else torch.zeros(len(candidates), 0)
+            scores = (self.fast_scores(queries, memories, lexical, features).cpu() if k_max
+                      else torch.zeros(len(candidates), 0))
             chosen = torch.zeros(len(candidates), 0, dtype=torch.long)
             noise = torch.zeros_like(scores) if explore else None
             logp = torch.zeros(len(candidates), 0) if explore else None
@@ -374,6 +451,10 @@ class ResidualLinearReranker(nn.Module):
                 w = self.lexical_weight.detach().to(transformed.dtype).expand(transformed.shape[0], 1)
                 transformed = torch.cat([transformed, w], -1)
                 memories = torch.cat([memories, lexical.unsqueeze(-1)], -1)
+            if features is not None:  # x·v as F more dimensions: [q A, (w,) v]·[m, (f,) x]
+                v = self.feature_weight.detach().to(transformed.dtype).expand(transformed.shape[0], -1)
+                transformed = torch.cat([transformed, v], -1)
+                memories = torch.cat([memories, features], -1)
             if exclude is None and min(counts) == k_max and _rows_path(memories, m_batch):
                 # every row full, nothing masked, torch backend: the step on the rows as they are
                 ranked = rerank_rows(transformed, _aligned(memories), m_batch, tau if explore else 1.0,

@@ -5,7 +5,8 @@ embeddings as scored, the picks, the rewards, the Gumbel noise, and what the off
 correction needs: the τ it was sampled at, the behaviour log-probability μ of each pick, the
 weights version and the candidate mask. It is what checkpoints keep of the learner's buffer
 (`to_state` / `from_state`), so a resumed learner weights those records exactly as the saved one
-would have.
+would have. A reranker that weighs candidate features gets each record's `[K, F]` features as they
+were sampled (taken from the Selection, never recomputed: a delayed reward learns from what was scored).
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import torch
 from torch import Tensor
 
 from rmm.errors import DimensionMismatchError
-from rmm.policy.reranker import stack_lexical
+from rmm.policy.reranker import check_feature_names, stack_features, stack_lexical
 from rmm.policy.sampling import plackett_luce_logp
 from rmm.types import Selection
 
 __all__ = ["RewardedBatch", "RewardedSelection", "behaviour_logp", "rewarded", "stack_rewarded"]
 
 _STATE_FIELDS = ("query", "memories", "chosen", "rewards", "tau", "behaviour_logp")
-_OPTIONAL_FIELDS = ("noise", "version", "mask", "lexical")
+_OPTIONAL_FIELDS = ("noise", "version", "mask", "lexical", "features")
 
 
 @dataclass
@@ -42,6 +43,7 @@ class RewardedSelection:
     version: int | None = None
     mask: Tensor | None = None  # [K] bool, True = could be picked
     lexical: Tensor | None = None  # [K] the candidates' lexical feature as scored (None: none)
+    features: Tensor | None = None  # [K, F] the candidates' features as scored (None: none or not weighed)
 
     def to_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {k: getattr(self, k) for k in _STATE_FIELDS}
@@ -70,19 +72,23 @@ class RewardedBatch:
     pick_valid: Tensor | None  # [B, M] False at padding picks; None = no padding
     noise: Tensor | None  # [B, K] for the paper estimator
     lexical: Tensor | None = None  # [B, K] lexical features, 0 at padding; None = no record has any
+    features: Tensor | None = None  # [B, K, F] candidate features, 0 at padding; None = no record has any
 
     def to(self, device: torch.device) -> RewardedBatch:
         parts = (self.queries, self.memories, self.chosen, self.rewards, self.taus, self.behaviour_logp,
-                 self.mask, self.pick_valid, self.noise, self.lexical)
-        if all(t is None or t.device == device for t in parts):  # the usual CPU learner: ten no-op calls
+                 self.mask, self.pick_valid, self.noise, self.lexical, self.features)
+        if all(t is None or t.device == device for t in parts):  # the usual CPU learner: no-op calls
             return self
         return RewardedBatch(*(None if t is None else t.to(device) for t in parts))
 
 
-def rewarded(selection: Selection, rewards: Tensor, dim: int, tau: float) -> RewardedSelection:
+def rewarded(selection: Selection, rewards: Tensor, dim: int, tau: float,
+             feature_names: tuple[str, ...] = ()) -> RewardedSelection:
     """Check a selection and its rewards, and keep (on CPU) what its update needs.
 
-    `tau` is the temperature to learn it at (the one it was sampled at). Malformed input — no
+    `tau` is the temperature to learn it at (the one it was sampled at); `feature_names` the
+    candidate features the learner's reranker weighs (its candidates' features are kept when it
+    weighs any; other names are a FeatureMismatchError). Malformed input — no
     embeddings, another dimension, rewards or μ of the wrong length, repeated or masked-out
     picks — is a ValueError (DimensionMismatchError for the dimension) and nothing is kept.
     """
@@ -111,6 +117,10 @@ def rewarded(selection: Selection, rewards: Tensor, dim: int, tau: float) -> Rew
     lexical = None if c.lexical is None else _cpu_float(c.lexical, -1)
     if lexical is not None and lexical.numel() != k:
         raise ValueError(f"the candidates' lexical feature has {lexical.numel()} entries for {k} candidates")
+    features = None
+    if feature_names and c.features is not None:
+        check_feature_names(c.feature_names, feature_names, "the selection's candidates")
+        features = _cpu_float(c.features, k, len(feature_names))
     return RewardedSelection(
         query=_cpu_float(c.query_embedding, dim),
         memories=_cpu_float(c.embeddings, k, dim),
@@ -122,6 +132,7 @@ def rewarded(selection: Selection, rewards: Tensor, dim: int, tau: float) -> Rew
         version=selection.version,
         mask=mask,
         lexical=lexical,
+        features=features,
     )
 
 
@@ -163,6 +174,8 @@ def stack_rewarded(batch: list[RewardedSelection], with_noise: bool) -> Rewarded
     ms = [p.chosen.numel() for p in batch]
     taus = torch.tensor([p.tau for p in batch], dtype=torch.float32)
     lexical = stack_lexical([p.lexical for p in batch], max(ks))
+    width = next((p.features.shape[1] for p in batch if p.features is not None), 0)
+    features = stack_features([p.features for p in batch], max(ks), width)
     if len(set(ks)) == 1 and len(set(ms)) == 1 and all(p.mask is None for p in batch):  # the usual case
         noise = None
         if with_noise:
@@ -170,7 +183,7 @@ def stack_rewarded(batch: list[RewardedSelection], with_noise: bool) -> Rewarded
                                  for p in batch])
         return RewardedBatch(torch.stack([p.query for p in batch]), torch.stack([p.memories for p in batch]),
                       torch.stack([p.chosen for p in batch]), torch.stack([p.rewards for p in batch]), taus,
-                      torch.stack([p.behaviour_logp for p in batch]), None, None, noise, lexical)
+                      torch.stack([p.behaviour_logp for p in batch]), None, None, noise, lexical, features)
     size, dim, k_max, m_max = len(batch), batch[0].query.shape[0], max(ks), max(ms)
     memories = torch.zeros(size, k_max, dim)
     mask = torch.zeros(size, k_max, dtype=torch.bool)
@@ -191,4 +204,4 @@ def stack_rewarded(batch: list[RewardedSelection], with_noise: bool) -> Rewarded
         if noise is not None and p.noise is not None and p.noise.numel() == k:
             noise[i, :k] = p.noise
     return RewardedBatch(torch.stack([p.query for p in batch]), memories, chosen, rewards, taus, mu, mask, pick_valid,
-                         noise, lexical)
+                         noise, lexical, features)
