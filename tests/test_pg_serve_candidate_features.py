@@ -1,23 +1,40 @@
 """Per-candidate features over a PostgreSQL bank (migration 0004): a selection row keeps the [K, F]
-matrix and its names as sampled, rows from before the columns rebuild without features, and a row
+matrix and its names as sampled, rows from before the columns rebuild without features, a row
 whose blob does not match K × F is refused for that selection alone — at the claim (nothing
 changes) and, should it be corrupted after its claim, in the learner's queue (set aside, the rest
-still read)."""
+still read) — and feedback sent after the sampling replica died trains the feature weights
+exactly as an in-process learner does from the selection as sampled."""
 
 from __future__ import annotations
+
+import copy
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("psycopg", reason="PostgreSQL banks need psycopg (postgres extra)")
 
-from test_pg_serve_state import db, pending, url  # noqa: F401
+from test_pg_serve_state import (  # noqa: F401
+    FACTS,
+    _row,
+    db,
+    make_replica,
+    pending,
+    retrieve,
+    url,
+    wait_for,
+)
 from test_pg_store import drop_schema, fresh_schema
+from test_serve_hybrid import capture_selections
 
+from rmm.memory.features import CANDIDATE_FEATURES
 from rmm.memory.pg_database import PgDatabase
+from rmm.policy.learner import rewards_from_citations
 from rmm.serve.errors import CorruptSelectionError
 from rmm.serve.feedback import rebuild
 from rmm.serve.pg_pending import _FORMAT, PgSelectionStore, unapplied_feedback
+from rmm.serve.records import NewMemory
 from rmm.serve.selection_rows import SELECTION_COLUMNS, selection_row
 
 NAMES = ("fused", "dense_rank", "length", "coverage")
@@ -110,3 +127,35 @@ def test_a_schema_from_before_migration_0004_gains_the_columns_and_its_rows_read
             database.close()
     finally:
         drop_schema(pg_server_url, schema_url)
+
+
+def test_hybrid_feedback_after_the_sampler_died_trains_the_feature_weights_bit_equal(
+        tmp_path: Path, url: str) -> None:  # noqa: F811
+    settings = {"retriever": "hybrid", "learner": {"batch_size": 1}}
+    a = make_replica(tmp_path, url, "a", **settings)
+    try:
+        wait_for(lambda: a.shared_learning.is_learner)
+        a.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
+        reference = copy.deepcopy(a.learner("alpha"))
+        sampled = capture_selections(a)
+        result = retrieve(a, "sourdough bread on Sundays")
+        (selection,) = sampled
+        assert selection.candidates.feature_names == CANDIDATE_FEATURES
+        with a.db.tx() as cur:
+            stored = _row(cur, result.selection_id)
+        assert torch.equal(stored.features, selection.candidates.features)
+        assert stored.feature_names == CANDIDATE_FEATURES
+    finally:
+        a.close()
+    b = make_replica(tmp_path, url, "b", **settings)
+    try:
+        wait_for(lambda: b.shared_learning.is_learner)
+        assert b.feedback("alpha", result.selection_id, cited=[1]).learned
+        wait_for(lambda: b.learner("alpha").stats.step == 1)
+        reference.record(selection, rewards_from_citations(2, [1], False))
+        learned = b.learner("alpha").reranker.state_dict()
+        for name, value in reference.reranker.state_dict().items():
+            assert torch.equal(value, learned[name]), (name, float((value - learned[name]).abs().max()))
+        assert learned["feature_weight"].abs().sum() > 0
+    finally:
+        b.close()

@@ -191,8 +191,8 @@ def test_registry_loads_the_newest_stored_version_and_refresh_swaps_in_newer_one
     versions = RerankerVersions(db, keep=2)
     reader = LearnerRegistry(D, LearnerConfig(), encoder_name="enc", versions=versions)
     assert reader.get("alpha").stats.step == 0 and reader.version_of("alpha") == 0
-    trained = Learner(ResidualLinearReranker(D, lexical_feature=LearnerConfig().lexical_feature), LearnerConfig(),
-                      encoder_name="enc")
+    trained = Learner(ResidualLinearReranker(D, lexical_feature=LearnerConfig().lexical_feature,
+                                             feature_names=reader.feature_names), LearnerConfig(), encoder_name="enc")
     for version in (1, 2, 3):
         with torch.no_grad():
             trained.reranker.W_q.weight.fill_(version)

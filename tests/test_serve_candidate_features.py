@@ -5,6 +5,7 @@ a row whose blob does not match K × F is refused for that selection alone."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import sqlite3
@@ -14,17 +15,23 @@ from typing import Any
 
 import pytest
 import torch
+from test_serve_hybrid import capture_selections
 from test_serve_service import FACTS, _capture_records, item, make_service
 
+from rmm.errors import ConfigError
+from rmm.memory.bank import MemoryBank
+from rmm.memory.features import CANDIDATE_FEATURES
+from rmm.memory.hybrid import HybridRetriever
+from rmm.policy.learner import rewards_from_citations
+from rmm.serve.config import load_config
 from rmm.serve.errors import CorruptSelectionError, SelectionUsedError
 from rmm.serve.feedback import rebuild
 from rmm.serve.http_errors import error_response
 from rmm.serve.pending import PendingSelection, SelectionStore
 from rmm.serve.records import NewMemory, RetrieveResult
-from rmm.serve.service import RetrievalService
-from rmm.types import Candidates, Selection
+from rmm.types import Candidates
 
-NAMES = ("fused", "bm25_rank", "length")
+NAMES = CANDIDATE_FEATURES[:3]  # for the store's tests: any names (the store never interprets them)
 K, D = 4, 5
 
 
@@ -54,21 +61,8 @@ class FeaturedFirstStage:
 
     def search_embeddings(self, vectors: torch.Tensor, user: str, k: int, **kwargs: Any) -> list[Candidates]:
         rows = self.inner.search_embeddings(vectors, user, k, **kwargs)
-        return [dataclasses.replace(row, features=torch.rand(len(row), len(NAMES), generator=self.generator),
-                                    feature_names=NAMES) for row in rows]
-
-
-def sampled_selections(service: RetrievalService) -> list[Selection]:
-    seen: list[Selection] = []
-    select = service.retriever._select
-
-    def spy(items, candidates):
-        picked = select(items, candidates)
-        seen.extend(selection for selection, _ in picked.values())
-        return picked
-
-    service.retriever._select = spy  # type: ignore[method-assign]
-    return seen
+        return [dataclasses.replace(row, features=torch.rand(len(row), len(CANDIDATE_FEATURES), generator=self.generator),
+                                    feature_names=CANDIDATE_FEATURES) for row in rows]
 
 
 def test_features_logged_at_sampling_come_back_unchanged_after_a_restart(tmp_path: Path) -> None:
@@ -77,7 +71,7 @@ def test_features_logged_at_sampling_come_back_unchanged_after_a_restart(tmp_pat
     try:
         service.add_memories("alpha", "ana", [NewMemory(text=t, id=f"f{i}") for i, t in enumerate(FACTS)])
         service.retriever.first_stage = FeaturedFirstStage(service.retriever.first_stage)
-        sampled = sampled_selections(service)
+        sampled = capture_selections(service)
         # one batch, one search at k = 5: the k = 3 query's candidates are the first 3 rows, features too
         results = service.retrieve_batch([item("ana", "sourdough bread on Sundays", k=5, explore=True),
                                           item("ana", "cello orchestra", k=3, explore=True)])
@@ -85,7 +79,8 @@ def test_features_logged_at_sampling_come_back_unchanged_after_a_restart(tmp_pat
     finally:
         service.close()
     by_id = {s.id: s for s in sampled}
-    assert [by_id[r.selection_id].candidates.features.shape for r in results] == [(5, 3), (3, 3)]
+    f = len(CANDIDATE_FEATURES)
+    assert [by_id[r.selection_id].candidates.features.shape for r in results] == [(5, f), (3, f)]
     service = make_service(tmp_path, **settings)  # another process: nothing but the stored rows
     try:
         seen = _capture_records(service)
@@ -95,9 +90,102 @@ def test_features_logged_at_sampling_come_back_unchanged_after_a_restart(tmp_pat
             want = by_id[result.selection_id].candidates
             assert rebuilt.candidates.features.dtype == torch.float32
             assert torch.equal(rebuilt.candidates.features, want.features)
-            assert rebuilt.candidates.feature_names == NAMES
+            assert rebuilt.candidates.feature_names == CANDIDATE_FEATURES
     finally:
         service.close()
+
+
+def test_hybrid_feedback_after_another_update_learns_the_recorded_features_bit_equal(tmp_path: Path) -> None:
+    """A selection sampled at version 0 and rewarded after an update, a new memory (BM25's statistics
+    move, so its features computed now would differ) and a restart: the restarted learner's weights
+    equal an in-process learner's fed the same two selections as sampled, feature weights included."""
+    settings = {"retriever": "hybrid", "learner": {"batch_size": 1}}
+    service = make_service(tmp_path, **settings)
+    try:
+        service.add_memories("alpha", "ana", [NewMemory(text=t, id=f"f{i}") for i, t in enumerate(FACTS)])
+        reference = copy.deepcopy(service.learner("alpha"))  # before anything was sampled
+        assert reference.reranker.feature_names == CANDIDATE_FEATURES
+        assert not reference.reranker.feature_weight.any()
+        sampled = capture_selections(service)
+        (first, second) = service.retrieve_batch([item("ana", "sourdough bread on Sundays", k=5, explore=True),
+                                                  item("ana", "cello in an orchestra", k=5, explore=True)])
+        by_id = {s.id: s for s in sampled}
+        early, late = by_id[first.selection_id], by_id[second.selection_id]
+        for selection in (early, late):
+            assert selection.candidates.feature_names == CANDIDATE_FEATURES
+            assert selection.candidates.features.shape == (5, len(CANDIDATE_FEATURES))
+        assert service.feedback("alpha", second.selection_id, cited=[0]).updated  # the weights move
+        service.add_memories("alpha", "ana", [NewMemory(text="Ana bakes rye bread and sourdough bread", id="new")])
+        (now,) = service.retriever.first_stage.search_embeddings(
+            early.candidates.query_embedding[None], "alpha:ana", 5, queries=[early.candidates.query])
+        assert not torch.equal(now.features, early.candidates.features)  # recomputing would learn something else
+    finally:
+        service.close()
+    service = make_service(tmp_path, **settings)
+    try:
+        seen = _capture_records(service)
+        answer = service.feedback("alpha", first.selection_id, cited=[1])
+        assert answer.learned and answer.updated
+        (rebuilt,) = seen
+        assert torch.equal(rebuilt.candidates.features, early.candidates.features)
+        assert rebuilt.version == 0 and service.learner("alpha").stats.step == 2
+        reference.record(late, rewards_from_citations(3, [0], False))
+        reference.record(early, rewards_from_citations(3, [1], False))
+        learned = service.learner("alpha").reranker.state_dict()
+        for name, value in reference.reranker.state_dict().items():
+            assert torch.equal(value, learned[name]), (name, float((value - learned[name]).abs().max()))
+        assert learned["feature_weight"].abs().sum() > 0  # the feature weights were trained
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize(("retriever", "on", "computes"), [
+    ("hybrid", True, True), ("bm25", True, True), ("hybrid", False, False), ("dense", True, False),
+])
+def test_candidate_features_decide_the_first_stage_and_the_rerankers_weights(
+        tmp_path: Path, retriever: str, on: bool, computes: bool) -> None:
+    service = make_service(tmp_path, start=False, retriever=retriever, candidate_features=on)
+    try:
+        stage = service.retriever.first_stage
+        if retriever == "dense":
+            assert stage is service.bank and isinstance(stage, MemoryBank)
+        else:
+            assert isinstance(stage, HybridRetriever) and stage.candidate_features is computes
+        assert service.learner_config.candidate_features is on  # the reranker's shape follows the key alone
+        assert service.learner("alpha").reranker.feature_names == (CANDIDATE_FEATURES if on else ())
+    finally:
+        service.close()
+
+
+def test_the_candidate_features_key_is_checked_and_has_one_home() -> None:
+    assert load_config(None, {"bank": "b"}, environ={}).candidate_features is True
+    with pytest.raises(ConfigError, match="candidate_features"):
+        load_config(None, {"bank": "b", "candidate_features": "maybe"}, environ={})
+    with pytest.raises(ConfigError, match="set `candidate_features` at the top level"):
+        load_config(None, {"bank": "b", "learner": {"candidate_features": False}}, environ={})
+
+
+def test_no_candidate_features_on_the_command_line_reaches_the_config(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import rmm.serve.app
+    from rmm.cli import build_parser
+
+    built: list[Any] = []
+
+    class Built(Exception):
+        pass
+
+    def create_app(config: Any) -> None:
+        built.append(config)
+        raise Built
+
+    monkeypatch.setattr(rmm.serve.app, "create_app", create_app)
+    parser = build_parser()
+    for flags, want in (([], True), (["--no-candidate-features"], False)):
+        args = parser.parse_args(["serve", "--bank", str(tmp_path / "bank"), "--dev-key", *flags])
+        with pytest.raises(Built):
+            args.func(args)
+        assert built[-1].candidate_features is want
 
 
 def test_dense_selections_store_no_features(tmp_path: Path) -> None:

@@ -60,6 +60,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="first stage: dense (default), hybrid = BM25 + dense fused by reciprocal rank, or bm25 = "
                         "BM25's ranking alone over the bank's memories; with hybrid and bm25 the reranker gets a "
                         "lexical feature: BM25's score min-max scaled to [0, 1] over BM25's top 50 (top k when k is larger)")
+    p.add_argument("--no-candidate-features", dest="candidate_features", action="store_false", default=None,
+                   help="hybrid / bm25: give the reranker only the lexical feature, not the candidate features "
+                        "(ranks, scores, length, query overlap) it otherwise weighs (`candidate_features: false`)")
     p.add_argument("--store", type=store_url,
                    help="postgresql://user@host/db[?schema=NAME]: memories, search, pending selections, feedback, "
                         "reflection jobs and reranker versions in PostgreSQL + pgvector, shared by every replica "
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         "index_backend": args.index_backend, "device": args.device, "llm": args.llm,
         "batching.max_batch": args.max_batch, "batching.max_wait_ms": args.max_wait_ms,
         "batching.enabled": False if args.no_batching else None, "auth.key_file": args.key_file,
-        "store": args.store, "retriever": args.retriever,
+        "store": args.store, "retriever": args.retriever, "candidate_features": args.candidate_features,
     }
     config = load_config(args.config, overrides)
     if not config.auth.resolve():

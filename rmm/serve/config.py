@@ -149,6 +149,11 @@ class ServeConfig:
     # bm25: BM25's ranking alone over the bank's memories (rmm.memory.hybrid); hybrid and bm25
     # candidates carry the bank's embeddings and give the reranker its lexical feature
     retriever: Literal["dense", "hybrid", "bm25"] = "dense"
+    # hybrid and bm25 candidates also carry `rmm.memory.features.CANDIDATE_FEATURES` (ranks, scores,
+    # length, query overlap; logged with each selection), weighed by the reranker with learned weights
+    # starting at 0 (LearnerConfig.candidate_features). Dense computes none: its rerankers keep the
+    # zero weights, so a bank's checkpoints load under every retriever. Off: Eq. 1 + the lexical feature.
+    candidate_features: bool = True
     # whose feedback trains the reranker that ranks whose memories: each tenant learns alone by
     # default; "bank" (one reranker every tenant trains and is ranked by) only by explicit choice
     reranker_per: Literal["bank", "tenant", "user"] = "tenant"
@@ -200,6 +205,8 @@ class ServeConfig:
         if self.scope == "bank" and self.retriever == "bm25":
             raise ConfigError("scope: bank searches the whole bank with the learned query vector, which "
                               "retriever: bm25 (a text ranking) cannot use: pick scope: topk or retriever: dense|hybrid")
+        if type(self.candidate_features) is not bool:
+            raise ConfigError(f"candidate_features must be true or false, got {self.candidate_features!r}")
         if self.reranker_per not in ("bank", "tenant", "user"):
             raise ConfigError(f"reranker_per must be 'bank', 'tenant' or 'user', got {self.reranker_per!r}")
         if self.selection_ttl_s <= 0:
@@ -236,13 +243,17 @@ class ServeConfig:
 
     def learner_config(self, normalized_encoder: bool = False) -> LearnerConfig:
         """The recipe's settings for this encoder (`auto`: sharper τ for L2-normalised ones), then
-        `tau` and the `learner` section on top."""
+        `tau`, `candidate_features` and the `learner` section on top."""
         known = {f.name for f in dataclasses.fields(LearnerConfig)}
         unknown = sorted(set(self.learner) - known)
         if unknown:
             raise ConfigError(f"learner: unknown key(s) {unknown}; known: {sorted(known)}")
+        if "candidate_features" in self.learner:  # one key decides both the first stage and the reranker
+            raise ConfigError("learner.candidate_features: set `candidate_features` at the top level instead (it "
+                              "decides what the first stage computes and what the reranker weighs)")
         try:
-            return recipe_config(self.recipe, normalized_encoder, **{"tau": self.tau, **self.learner})
+            return recipe_config(self.recipe, normalized_encoder,
+                                 **{"tau": self.tau, "candidate_features": self.candidate_features, **self.learner})
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"learner: {exc}") from exc
 

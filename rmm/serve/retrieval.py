@@ -45,9 +45,11 @@ class BatchRetriever:
         self.config, self.bank, self.encoder, self.learners = config, bank, encoder, learners
         self.selections, self.tau = selections, tau
         # the first stage: the dense bank, or BM25 over its memories, fused with it or alone
-        # (candidates carry the bank's embeddings and the lexical feature)
+        # (candidates carry the bank's embeddings, the lexical feature and, unless switched off, the
+        # candidate features)
         fusion = config.first_stage_fusion
-        self.first_stage = bank if fusion is None else HybridRetriever(bank, fusion=fusion)
+        self.first_stage = bank if fusion is None else HybridRetriever(
+            bank, fusion=fusion, candidate_features=config.candidate_features)
         self._generators: dict[str, torch.Generator] = {}
 
     def _generator(self, key: str) -> torch.Generator:
