@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from rmm.errors import DimensionMismatchError
-from rmm.policy.reranker import check_feature_names, stack_features, stack_lexical
+from rmm.policy.stacking import check_feature_names, stack_features, stack_lexical
 from rmm.policy.sampling import plackett_luce_logp
 from rmm.types import Selection
 
