@@ -310,7 +310,8 @@ def test_no_candidate_features_flag_or_config_key_gives_todays_reranker() -> Non
         assert cfg.candidate_features is expected and cfg.learner_config().candidate_features is expected
 
 
-def test_rmm_train_over_hybrid_candidates_learns_from_their_features(tmp_path: Path) -> None:
+def test_rmm_train_over_hybrid_candidates_learns_from_their_features(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
     from rmm.training.online import OnlineConfig, OnlineTrainer
 
     dataset, encoder = lexical_problem(n_users=2, n_questions=12)
@@ -324,3 +325,6 @@ def test_rmm_train_over_hybrid_candidates_learns_from_their_features(tmp_path: P
         assert report.config["candidate_features"] and learner.stats.step > 0
         assert learner.reranker.feature_names == CANDIDATE_FEATURES
         assert bool(learner.reranker.feature_weight.detach().abs().sum() > 0)  # the features were learned from
+        with caplog.at_level("WARNING", logger="rmm.training.online"):  # weights without features: said so
+            OnlineTrainer(dataset, HybridRetriever(bank), cfg, progress=False)
+        assert "computes none" in caplog.text

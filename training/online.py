@@ -153,6 +153,9 @@ class OnlineTrainer:
         self.llm, self._owns_llm = llm, False
         self.scorer = GoldScorer.for_dataset(dataset, "turn")
         self.split = split_questions(dataset, scorable(dataset.questions, self.scorer), cfg)
+        if cfg.candidate_features and getattr(bank, "candidate_features", None) is False:
+            log.warning("the rerankers weigh candidate features but this hybrid first stage computes none "
+                        "(HybridRetriever(candidate_features=True), or candidate_features=false)")
         root = self.output_dir / "rerankers" if self.output_dir else None
         self.learners = LearnerRegistry(bank.dim, cfg.learner_config(), encoder_name=bank.encoder.fingerprint,
                                         device=bank.device, root=root, subdir="users")
