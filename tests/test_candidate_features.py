@@ -328,3 +328,31 @@ def test_rmm_train_over_hybrid_candidates_learns_from_their_features(tmp_path: P
         with caplog.at_level("WARNING", logger="rmm.training.online"):  # weights without features: said so
             OnlineTrainer(dataset, HybridRetriever(bank), cfg, progress=False)
         assert "computes none" in caplog.text
+
+
+def test_rmm_eval_reranker_computes_the_features_its_checkpoint_weighs(tiny_data_dir: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """q' = −q reverses the embedding order; a large weight on BM25's reciprocal rank restores BM25's,
+    which only a first stage that computes the features can show."""
+    from test_bm25_over_dense import NormalizedBagOfWords, question_decoys
+
+    import rmm.eval.benchmark_bank
+    from rmm.cli import main
+
+    monkeypatch.setenv("RMM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(rmm.eval.benchmark_bank, "load_encoder", lambda name, **kw: NormalizedBagOfWords())
+    question_decoys(tiny_data_dir / "locomo" / "locomo10.json")  # BM25's first is a decoy (its recall@1 is 0)
+    encoder = NormalizedBagOfWords()
+    recall_at_1 = {}
+    for name, features in (("plain", ()), ("featured", CANDIDATE_FEATURES)):
+        reranker = ResidualLinearReranker(encoder.dim, lexical_feature=True, lexical_init=0.0, feature_names=features)
+        with torch.no_grad():
+            reranker.W_q.weight.copy_(-2 * torch.eye(encoder.dim))
+            if features:
+                reranker.feature_weight[CANDIDATE_FEATURES.index("bm25_rr")] = 100.0
+        folder = Learner(reranker, LearnerConfig(), encoder_name=encoder.fingerprint).save(tmp_path / name)
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", "--data-dir", str(tiny_data_dir), "--retriever", "bm25:minilm", "--k", "1",
+                     "--depth", "8", "--reranker", str(folder), "--json", str(out)]) == 0
+        recall_at_1[name] = json.loads(out.read_text())["bm25:minilm/turn+reranker"]["overall"]["recall@1"]
+    assert recall_at_1["plain"] > 0.5 and recall_at_1["featured"] == 0.0  # BM25's order again: the decoy first

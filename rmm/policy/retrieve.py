@@ -21,6 +21,7 @@ import torch
 
 from rmm.memory.bank import MemoryBank
 from rmm.policy.reranker import ResidualLinearReranker, candidate_subset
+from rmm.policy.stacking import features_of
 from rmm.types import Candidates, Selection
 
 __all__ = ["RerankedRetriever", "Scope", "reranked"]
@@ -82,7 +83,11 @@ def reranked(reranker: ResidualLinearReranker, candidates: Candidates, k: int | 
     if len(candidates) == 0:
         return candidates
     lexical = None if candidates.lexical is None else candidates.lexical[None]
-    scores = reranker.fast_scores(candidates.query_embedding[None], candidates.embeddings[None], lexical)[0]
+    features = None  # checked against the names the reranker weighs, as select checks them
+    if reranker.feature_names and candidates.features is not None:
+        (checked,) = features_of([candidates], reranker.feature_names)
+        features = None if checked is None else checked[None]
+    scores = reranker.fast_scores(candidates.query_embedding[None], candidates.embeddings[None], lexical, features)[0]
     idx = torch.argsort(scores, descending=True)[:k]
     ranked = candidate_subset(candidates, idx.tolist())
     ranked.retriever_scores = scores[idx]
