@@ -22,6 +22,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,6 +44,34 @@ def gemm_gflops(hidden: int, intermediate: int, rows: int = 1024, seconds: float
     return 2 * rows * hidden * intermediate * count / elapsed / 1e9
 
 
+def fallback_texts(encoder: Any, sessions: list[Any]) -> tuple[dict[str, list[str]], float]:
+    """The texts the non-LLM topic fallback encodes while building a topic bank from `sessions`
+    (turn lines, topics, merged memories) and the build's CPU seconds; memory ids from a counter."""
+    from rmm.memory.bank import MemoryBank
+    from rmm.reflection import ProspectiveReflector
+    from rmm.types import Memory
+
+    calls: list[list[str]] = []
+    encode = encoder.encode_passages
+
+    def recording(texts):  # type: ignore[no-untyped-def]
+        calls.append(list(texts))
+        return encode(texts)
+
+    encoder.encode_passages = recording
+    ids = itertools.count(1)
+    Memory.new_id = staticmethod(lambda: f"m{next(ids):05d}")  # type: ignore[method-assign]
+    try:
+        with tempfile.TemporaryDirectory() as tmp, MemoryBank(Path(tmp) / "bank", encoder, device="cpu") as bank:
+            start = time.process_time()
+            ProspectiveReflector(bank, None).reflect_many(sessions)
+            build = time.process_time() - start
+    finally:
+        encoder.encode_passages = encode
+    # reflect_many: the turns, then the topics, then one call per session that merged
+    return {"turns": calls[0], "topics": calls[1], "merged": [t for call in calls[2:] for t in call]}, build
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversation", type=int, default=0, help="index of the LoCoMo conversation")
@@ -54,30 +83,11 @@ def main() -> int:
 
     from rmm.data import load_dataset
     from rmm.encoders import load_encoder
-    from rmm.memory.bank import MemoryBank
-    from rmm.reflection import ProspectiveReflector
-    from rmm.types import Memory
 
     dataset = load_dataset("locomo", download=False)
     user = dataset.users[args.conversation]
     encoder = load_encoder(args.encoder, device="cpu")
-    calls: list[list[str]] = []
-    encode = encoder.encode_passages
-
-    def recording(texts):  # type: ignore[no-untyped-def]
-        calls.append(list(texts))
-        return encode(texts)
-
-    encoder.encode_passages = recording  # type: ignore[method-assign]
-    ids = itertools.count(1)
-    Memory.new_id = staticmethod(lambda: f"m{next(ids):05d}")  # type: ignore[method-assign]
-    with tempfile.TemporaryDirectory() as tmp, MemoryBank(Path(tmp) / "bank", encoder, device="cpu") as bank:
-        start = time.process_time()
-        ProspectiveReflector(bank, None).reflect_many(dataset.sessions[user])
-        build = time.process_time() - start
-    encoder.encode_passages = encode  # type: ignore[method-assign]
-    # reflect_many: the turns, then the topics, then one call per session that merged
-    sets = {"turns": calls[0], "topics": calls[1], "merged": [t for call in calls[2:] for t in call]}
+    sets, build = fallback_texts(encoder, dataset.sessions[user])
     config = encoder.model.config
     hidden, intermediate, layers = int(config.hidden_size), int(config.intermediate_size), int(config.num_hidden_layers)
     per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * intermediate)  # Q, K, V, O and the FFN

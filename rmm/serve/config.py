@@ -138,7 +138,7 @@ class ServeConfig:
     index_precision: str = "float32"
     device: str = "auto"
     torch_threads: int | None = None  # intra-op CPU threads (None: torch's default, one per core)
-    query_precision: str = "auto"  # auto | float32 | int8: the query encoder's linears (rmm.serve.query_encoder)
+    query_precision: str = "auto"  # auto | float32 | int8 | int8-onnx: the query encoder's linears (rmm.serve.query_encoder)
     k: int = 20
     m: int = 5
     tau: float | None = None  # None: the recipe's (see `recipe`)
@@ -192,8 +192,8 @@ class ServeConfig:
                 raise ConfigError(f"store must be a postgresql:// URL (or empty for the bank folder), got {self.store!r}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1 or null, got {self.torch_threads}")
-        if self.query_precision not in ("auto", "float32", "int8"):
-            raise ConfigError(f"query_precision must be 'auto', 'float32' or 'int8', got {self.query_precision!r}")
+        if self.query_precision not in ("auto", "float32", "int8", "int8-onnx"):
+            raise ConfigError(f"query_precision must be 'auto', 'float32', 'int8' or 'int8-onnx', got {self.query_precision!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.k < 1 or self.m < 1 or self.m > self.k:

@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""Does ONNX Runtime's int8 query path keep a query's ranking independent of its micro-batch?
+
+`scripts/recall_query_batching.py`'s check (each LoCoMo question encoded alone and inside a
+micro-batch of `--batch` random questions, searched in its conversation's MiniLM turn bank) for
+the ONNX Runtime query paths, next to the server's torch paths:
+
+* float32      — torch, as the bank was built
+* int8         — the server's int8 path (`Int8QueryEncoder`: activations quantized per token)
+* ort-float32  — the exported graph in ONNX Runtime
+* ort-int8     — ONNX Runtime's dynamic quantization (per-channel weights, one activation scale
+                 per tensor: the scheme that made rankings batch-dependent in torch)
+* int8-onnx    — the server's `query_precision: int8-onnx`: its int8 scheme (per-token scales)
+                 as an ONNX graph (`rmm.encoders.onnx_backend.row_int8_graph`)
+
+Also prints each path's CPU milliseconds per query in micro-batches of `--batch` (one thread).
+
+    python scripts/recall_onnx_query_batching.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_onnx_encoder import encode_with, fused_graph, int8_graph
+from recall_query_batching import Precomputed
+from recall_query_encoder import locomo_turn_bank
+
+from rmm.encoders.onnx_backend import OnnxRunner, export_onnx
+from rmm.eval.retrieval import evaluate
+from rmm.serve.query_encoder import Int8QueryEncoder, query_encoder
+
+
+class RunnerQueries:
+    """`encoder`'s queries encoded as it batches them, each batch run in an ONNX Runtime session."""
+
+    def __init__(self, encoder: Any, runner: OnnxRunner) -> None:
+        self.encoder, self.runner = encoder, runner
+
+    def encode_queries(self, texts: list[str]) -> torch.Tensor:
+        return encode_with(self.encoder, self.runner, texts, self.encoder.config.query_prefix)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--k", type=int, default=20)
+    parser.add_argument("--m", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    dataset, bank, encoder = locomo_turn_bank("minilm", None, args.threads)
+    questions = dataset.questions
+    texts = list(dict.fromkeys(q.text for q in questions))
+    config = encoder.model.config
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = export_onnx(encoder, Path(tmp) / "minilm.onnx")
+        fused = fused_graph(plain, Path(tmp) / "fused.onnx", config.num_attention_heads, config.hidden_size)
+        paths = {"float32": encoder, "int8": Int8QueryEncoder(encoder),
+                 "ort-float32": RunnerQueries(encoder, OnnxRunner(plain, args.threads)),
+                 "ort-int8": RunnerQueries(encoder, OnnxRunner(int8_graph(fused, Path(tmp) / "q.onnx"), args.threads)),
+                 "int8-onnx": query_encoder(encoder, "int8-onnx")}
+        rng = random.Random(args.seed)
+        order = texts[:]
+        rng.shuffle(order)
+        chunks = [order[i:i + args.batch] for i in range(0, len(order), args.batch)]
+        print(f"LoCoMo turns, MiniLM; {len(questions)} questions; micro-batches of {args.batch}; top-{args.m} / "
+              f"top-{args.k}; {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}")
+        print(f"{'path':>13} | {'CPU ms/q':>8} | {'R@5 alone':>9} {'batched':>8} | {'R@20 alone':>10} {'batched':>8} | "
+              f"{'top-M changed':>13} {'top-K changed':>13} | {'min cos':>8}")
+        for label, path in paths.items():
+            with torch.inference_mode():
+                alone = {t: path.encode_queries([t])[0] for t in texts}  # type: ignore[attr-defined]
+                batched: dict[str, torch.Tensor] = {}
+                start = time.process_time()
+                for chunk in chunks:
+                    batched.update(zip(chunk, path.encode_queries(chunk)))  # type: ignore[attr-defined]
+                ms = 1000 * (time.process_time() - start) / len(texts)
+            recall, ids = {}, {}
+            for how, vectors in (("alone", alone), ("batched", batched)):
+                bank.encoder = Precomputed(encoder, vectors)  # type: ignore[union-attr]
+                report = evaluate(dataset, bank, "turn", ks=[5, args.k], retriever_name=f"{label}-{how}", progress=False)
+                recall[how] = report.overall
+                ids[how] = [bank.search([q.text], q.user_id, args.k)[0].memory_ids for q in questions]  # type: ignore[union-attr]
+            changed_m = sum(a[:args.m] != b[:args.m] for a, b in zip(ids["alone"], ids["batched"])) / len(questions)
+            changed_k = sum(a != b for a, b in zip(ids["alone"], ids["batched"])) / len(questions)
+            cos = torch.nn.functional.cosine_similarity(torch.stack([alone[t] for t in texts]),
+                                                        torch.stack([batched[t] for t in texts])).min()
+            r5, rk = "recall@5", f"recall@{args.k}"
+            print(f"{label:>13} | {ms:8.2f} | {100 * recall['alone'][r5]:9.2f} {100 * recall['batched'][r5]:8.2f} | "
+                  f"{100 * recall['alone'][rk]:10.2f} {100 * recall['batched'][rk]:8.2f} | {100 * changed_m:12.2f}% "
+                  f"{100 * changed_k:12.2f}% | {float(cos):8.5f}", flush=True)
+        bank.encoder = encoder  # type: ignore[union-attr]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
