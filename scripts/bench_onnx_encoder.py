@@ -10,6 +10,9 @@ questions (what the server's query path encodes). Paths, all through the encoder
 * ort-fused    — the same after `onnxruntime.transformers.optimizer` (model_type bert) fused it
 * ort-int8     — ort-fused with dynamic int8 quantization (questions only: passages stay float32)
 
+Then the server's two int8 query paths (`query_precision: int8` in torch, `int8-onnx`) on
+micro-batches of 32 questions, as the server encodes them.
+
 Per path and set: CPU seconds (best of `--repeats`, one thread: CPU time is the work done, the
 machine is shared), the ratio torch/path from the same run, and max |Δ| of its vectors against torch.
 
@@ -112,7 +115,33 @@ def main() -> int:
                                                args.repeats)
                 delta = float((vectors - reference).abs().max())
                 print(f"{'':<24} | {label:<10}{seconds:>8.2f}{base / seconds:>11.2f}{delta:>10.1e}", flush=True)
+        for batch in (32, 1):
+            server_query_paths(encoder, sets["questions"], args.repeats + 2, tmp, batch)
     return 0
+
+
+def server_query_paths(encoder: Any, questions: list[str], repeats: int, cache: str, batch: int = 32) -> None:
+    """The server's int8 query scheme in torch and as an ONNX graph on micro-batches of `batch`
+    shuffled questions, alternated `repeats` times so a change in load hits both: best CPU ms/query."""
+    import random
+
+    from rmm.serve.query_encoder import Int8QueryEncoder
+
+    order = questions[:]
+    random.Random(0).shuffle(order)
+    chunks = [order[i:i + batch] for i in range(0, len(order), batch)]
+    os.environ["RMM_CACHE_DIR"] = cache
+    paths = {"int8": Int8QueryEncoder(encoder), "int8-onnx": Int8QueryEncoder(encoder, engine="onnx")}
+    best = dict.fromkeys(paths, float("inf"))
+    for _ in range(repeats):
+        for label, path in paths.items():
+            start = time.process_time()
+            for chunk in chunks:
+                path.encode_queries(chunk)
+            best[label] = min(best[label], time.process_time() - start)
+    print(f"server query paths, micro-batches of {batch} questions, best of {repeats} alternated runs, load "
+          f"{os.getloadavg()[0]:.1f}: " + ", ".join(f"{k} {1000 * v / len(order):.2f}" for k, v in best.items())
+          + f" CPU ms/query; int8 / int8-onnx {best['int8'] / best['int8-onnx']:.2f}x")
 
 
 def _ort_version() -> str:
