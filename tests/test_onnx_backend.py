@@ -17,6 +17,7 @@ from rmm.encoders.onnx_backend import (
     open_graph,
 )
 from rmm.errors import ConfigError
+from rmm.serve.config import load_config
 from rmm.serve.query_encoder import Int8QueryEncoder, query_encoder
 
 pytest.importorskip("onnxruntime")  # the optional rmm[onnx] extra (in dev)
@@ -65,6 +66,7 @@ def test_int8_onnx_queries_match_torch_int8_and_ignore_their_batch(minilm, monke
         rows = torch.stack([vectors[batch.index(q)] for q in QUESTIONS])
         assert (rows - alone).abs().max() < 1e-5  # float rounding at most; ORT's own int8 moved whole rankings
     assert fast.encode_queries([]).shape == (0, 384)
+    assert load_config(None, {"bank": "/tmp/x", "query_precision": "int8-onnx"}, environ={}).query_precision == "int8-onnx"
 
 
 def test_row_int8_graph_quantizes_every_weight_matmul(minilm, cache: Path) -> None:
