@@ -18,7 +18,7 @@ query whatever its batch; what is left is float rounding of the attention over p
 
 `int8-onnx` runs the same scheme as an ONNX graph in ONNX Runtime (`rmm.encoders.onnx_backend`,
 the optional `rmm[onnx]` extra): at one thread ~2.1x less CPU than torch's int8 for a query
-encoded alone, ~1.1x in micro-batches of 32 (`scripts/bench_onnx_encoder.py`), the same recall
+encoded alone, 1.1-1.2x in micro-batches of 32 (`scripts/bench_onnx_encoder.py`), the same recall
 and batch invariance on LoCoMo (`scripts/recall_onnx_query_batching.py`); its vectors differ
 from torch int8's by float rounding in the non-quantized ops (cosine > 0.997). Opt-in: `auto`
 stays torch.
