@@ -276,14 +276,17 @@ def test_checkpoint_format_5_round_trip_format_4_load_and_a_name_mismatch(tmp_pa
     for asked in ((), CANDIDATE_FEATURES[:3]):
         with pytest.raises(CheckpointError, match="--no-candidate-features"):
             Learner.load(folder, feature_names=asked)
-    # A format-4 checkpoint (no feature_names): no features, whatever the run asks for.
+    # A format-4 checkpoint (no feature_names): as saved when the run asks for none, and gains the asked
+    # ones at 0 otherwise (tests/test_checkpoint_growth.py covers the growth).
     old = Learner(random_reranker(features=False), LearnerConfig()).save(tmp_path / "old")
     old_meta = json.loads((old / "meta.json").read_text())
     del old_meta["feature_names"]
     (old / "meta.json").write_text(json.dumps({**old_meta, "format_version": 4}))
-    legacy = Learner.load(old, feature_names=CANDIDATE_FEATURES)
+    legacy = Learner.load(old, feature_names=())
     assert legacy.reranker.feature_names == () and legacy.reranker.feature_weight is None
     assert legacy.reranker.lexical_feature
+    grown = Learner.load(old, feature_names=CANDIDATE_FEATURES)
+    assert grown.reranker.feature_names == CANDIDATE_FEATURES and not grown.reranker.feature_weight.any()
 
 
 def test_the_registry_builds_and_loads_rerankers_with_the_configured_features(tmp_path: Path) -> None:

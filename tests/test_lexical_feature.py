@@ -126,20 +126,21 @@ def test_a_checkpoint_states_whether_its_reranker_has_the_feature(tmp_path: Path
     # A learner learns what its reranker has; the checkpoint says so, whatever the config's default.
     plain = Learner(ResidualLinearReranker(D), LearnerConfig()).save(tmp_path / "plain")
     assert json.loads((plain / "meta.json").read_text())["lexical_feature"] is False
-    with pytest.raises(CheckpointError, match="without the lexical feature"):
-        Learner.load(plain, lexical_feature=True)
-    # A checkpoint from before the feature (format 2, no lexical_feature) loads as plain Eq. 1.
+    assert not Learner.load(plain, lexical_feature=False).reranker.lexical_feature
+    # Asked for the feature, a checkpoint without it gains w = 0 (not LEXICAL_INIT: its ranking stays).
+    assert float(Learner.load(plain, lexical_feature=True).reranker.lexical_weight.detach()) == 0.0
+    # A checkpoint from before the feature (format 2, no lexical_feature) loads as plain Eq. 1 unless asked.
     meta = json.loads((plain / "meta.json").read_text())
     del meta["lexical_feature"], meta["config"]["lexical_feature"]
     (plain / "meta.json").write_text(json.dumps({**meta, "format_version": 2}))
-    loaded = Learner.load(plain, lexical_feature=True)
+    loaded = Learner.load(plain)
     assert not loaded.reranker.lexical_feature and loaded.config == LearnerConfig()
-    # A registry builds new learners with the feature and refuses a checkpoint that states it has none.
+    assert float(Learner.load(plain, lexical_feature=True).reranker.lexical_weight.detach()) == 0.0
+    # A registry builds new learners with the feature; a checkpoint without it gains it at 0.
     registry = LearnerRegistry(D, LearnerConfig(), root=tmp_path / "reg")
     assert registry.get("a").reranker.lexical_feature
     Learner(ResidualLinearReranker(D), LearnerConfig()).save(registry.path("b"))
-    with pytest.raises(CheckpointError, match="without the lexical feature"):
-        registry.get("b")
+    assert float(registry.get("b").reranker.lexical_weight.detach()) == 0.0
     assert not LearnerRegistry(D, LearnerConfig(lexical_feature=False)).get("c").reranker.lexical_feature
 
 

@@ -23,7 +23,13 @@ today's definition (a save with no update since loading, e.g. `rmm chat --no-lea
 the old one, so the warning repeats until the weights have learned on today's feature).
 A definition this rmm does not know is refused. Format 5 adds `feature_names` to the meta: the
 candidate features (`rmm.memory.features`) the reranker weighs, in the order of its
-`feature_weight` (empty: none); formats 1–4 predate them and load without any.
+`feature_weight` (empty: none); formats 1–4 predate them.
+
+A checkpoint without the lexical weight or without feature weights, loaded by a run that asks for
+them, gains them at 0 (`rmm.policy.growth`: its ranking is unchanged, and the next save records
+them, so the next start loads it as saved). A checkpoint *with* them, loaded by a run that asks
+for none or for other feature names, is refused with a one-line error: dropping learned weights
+would silently change the ranking.
 
 It is written to a temporary sibling and swapped in with two renames: a crash mid-write never
 leaves a half-written folder where the old one was, and a crash between the renames leaves the
@@ -312,34 +318,29 @@ def unpack_checkpoint(data: bytes, folder: str | Path) -> Path:
 
 
 def saved_lexical_feature(folder: Path, meta: dict[str, Any], expected: bool | None) -> bool:
-    """Whether a checkpoint's reranker has the lexical weight; a clear error when it states the
-    other setting than `expected`. Checkpoints older than the feature state none: plain Eq. 1."""
+    """Whether a checkpoint's reranker has the lexical weight (checkpoints older than the feature state
+    none: plain Eq. 1). A clear error when it has one and `expected` is False: dropping a learned weight
+    would change the ranking. One without it is no error whatever is expected (`rmm.policy.growth`)."""
     stated = meta.get("lexical_feature")
-    if stated is None:
-        if expected:
-            log.info("reranker checkpoint %s predates the lexical feature; loading it as plain Eq. 1", folder)
-        return False
-    if expected is not None and bool(stated) != expected:
-        trained, asked = ("with", "without") if stated else ("without", "with")
-        raise CheckpointError(f"reranker checkpoint {folder} was trained {trained} the lexical feature, but this "
-                              f"run asks for a reranker {asked} it; match the setting (--no-lexical-feature / "
+    if stated and expected is not None and not expected:
+        raise CheckpointError(f"reranker checkpoint {folder} was trained with the lexical feature, but this run "
+                              "asks for a reranker without it; match the setting (--no-lexical-feature / "
                               "lexical_feature) or use another checkpoint folder")
     return bool(stated)
 
 
 def saved_feature_names(folder: Path, meta: dict[str, Any], expected: Sequence[str] | None) -> tuple[str, ...]:
-    """The candidate features a checkpoint's reranker weighs, in order; a one-line error when a format-5
-    checkpoint states others than `expected`. Formats 1–4 predate them: none, whatever is expected."""
+    """The candidate features a checkpoint's reranker weighs, in order (formats 1–4 predate them: none).
+    A one-line error when it weighs some and `expected` names others or none: a learned weight must never
+    be dropped or meet another feature. One that weighs none is no error (`rmm.policy.growth`)."""
     stated = meta.get("feature_names")
     if stated is None:
-        if expected:
-            log.info("reranker checkpoint %s predates candidate features; loading it without them", folder)
         return ()
     if not isinstance(stated, list) or not all(isinstance(n, str) for n in stated):
         raise CheckpointError(f"{folder / META} has feature_names {stated!r}; expected a list of names")
     names = tuple(stated)
-    if expected is not None and names != tuple(expected):
-        raise CheckpointError(f"reranker checkpoint {folder} weighs candidate features {list(names) or 'none'}, but "
+    if names and expected is not None and names != tuple(expected):
+        raise CheckpointError(f"reranker checkpoint {folder} weighs candidate features {list(names)}, but "
                               f"this run asks for {list(expected) or 'none'}; match the setting "
                               "(--no-candidate-features / candidate_features) or use another checkpoint folder")
     return names

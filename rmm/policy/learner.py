@@ -28,6 +28,7 @@ from torch import Tensor
 
 from rmm.device import resolve_device
 from rmm.errors import CheckpointError
+from rmm.policy import growth
 from rmm.policy.checkpoint import (
     FORMAT_VERSION,
     read_checkpoint,
@@ -367,37 +368,38 @@ class Learner:
         lexical_feature: bool | None = None,
         feature_names: Sequence[str] | None = None,
     ) -> Learner:
-        """Resume from `save`'s folder; refuses another encoder or dimension than expected, and
-        (when `lexical_feature` is given) a checkpoint whose reranker states the other setting.
+        """Resume from `save`'s folder; refuses another encoder or dimension than expected.
 
         A format-1 checkpoint is upgraded on load: its config and stats take the new fields'
         defaults, and its buffered records — saved without τ or μ — are taken as sampled at the
         learner's τ by the weights just loaded (ρ = 1 at the next update, which is what version 1
-        did with them). A checkpoint from before the lexical feature (no `lexical_feature` in its
-        meta) is a plain Eq. 1 reranker and loads as one, whatever is expected. The reranker's own
-        setting is in the meta; `config.lexical_feature` is what a registry builds new rerankers with.
-        Likewise `feature_names` (when given) must be the candidate features a format-5 checkpoint's
-        reranker weighs; formats 1–4 predate them and load without any.
-        """
+        did with them). The reranker's own terms are in the meta (`config.lexical_feature` and
+        `candidate_features` are what a registry builds new rerankers with). A checkpoint without the
+        lexical weight (formats 1–2, or saved without) loaded with `lexical_feature=True`, or without
+        feature weights (formats 1–4, or `feature_names: []`) loaded with `feature_names`, gains them at
+        0 (`rmm.policy.growth`): the ranking is unchanged, saved parameters keep their optimizer state,
+        and the next save records them. One that has the lexical weight or feature weights the run does
+        not ask for (`lexical_feature=False`, other `feature_names`) is refused: dropping them would
+        change the ranking. None (not given): the checkpoint's terms as saved."""
         saved = read_checkpoint(path, encoder_name=encoder_name, dim=dim)
         meta = saved.meta
-        saved_lexical = saved_lexical_feature(saved.folder, meta, lexical_feature)
-        saved_features = saved_feature_names(saved.folder, meta, feature_names)
+        had = growth.Terms(saved_lexical_feature(saved.folder, meta, lexical_feature),
+                           saved_feature_names(saved.folder, meta, feature_names))
+        terms = growth.terms_to_load(had, lexical_feature, feature_names)
         try:
             config = LearnerConfig(**{f.name: meta["config"][f.name] for f in fields(LearnerConfig)
                                       if f.name in meta["config"]})
-            reranker = ResidualLinearReranker(int(meta["dim"]), lexical_feature=saved_lexical,
-                                              feature_names=saved_features)
-            reranker.load_state_dict(saved.weights)
+            reranker = growth.build_reranker(int(meta["dim"]), saved.weights, terms, had)
             learner = cls(reranker, config, encoder_name=meta["encoder_name"], device=device)
-            learner.optimizer.load_state_dict(saved.training["optimizer"])
+            growth.load_optimizer_state(learner.optimizer, learner.reranker, saved.training["optimizer"], had)
             learner.stats = LearnerStats(**meta["stats"])
             learner.reranker.version = learner.stats.step
             learner._buffer = [learner._restore_pending(s) for s in saved.training["pending"]]
-            if saved_lexical:
+            if had.lexical:
                 learner._loaded_definition = (str(meta["lexical_definition"]), learner.stats.step)
         except Exception as exc:  # shape, key and value errors all mean the same to a user
             raise CheckpointError(f"cannot load reranker checkpoint {saved.folder}: {exc}") from exc
+        growth.log_gains(saved.folder, terms, had)
         if meta["format_version"] < FORMAT_VERSION:
             log.info("upgraded reranker checkpoint %s from format %s to %s (saved on the next save)",
                      saved.folder, meta["format_version"], FORMAT_VERSION)
