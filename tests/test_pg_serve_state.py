@@ -34,11 +34,11 @@ from rmm.serve.errors import (
 )
 from rmm.serve.feedback import rebuild
 from rmm.serve.learner_lease import learner_holder
+from rmm.serve.metrics import ServiceCollector
 from rmm.serve.pending import PendingSelection, SelectionStore, open_selections
 from rmm.serve.pg_jobs import PgJobQueue
 from rmm.serve.pg_pending import PgSelectionStore, unapplied_feedback
 from rmm.serve.records import NewMemory, RetrieveItem, RetrieveResult
-from rmm.serve.metrics import ServiceCollector
 from rmm.serve.service import RetrievalService
 
 KEYS = {"key-alpha-123": "alpha", "key-beta-4567": "beta"}

@@ -13,7 +13,14 @@ from rich.markup import escape
 
 from rmm.cli import logs
 from rmm.cli.arguments import device, positive_float, retriever_name
-from rmm.cli.common import DEFAULT_RETRIEVER, add_k_m_options, add_verbose, console, llm_options, load_llm
+from rmm.cli.common import (
+    DEFAULT_RETRIEVER,
+    add_k_m_options,
+    add_verbose,
+    console,
+    llm_options,
+    load_llm,
+)
 from rmm.cli.frontend_options import add_frontend_options, append_trace, frontend_config
 from rmm.errors import RmmError
 

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from rmm.errors import DimensionMismatchError
-from rmm.policy.stacking import check_feature_names, stack_features, stack_lexical
 from rmm.policy.sampling import plackett_luce_logp
+from rmm.policy.stacking import check_feature_names, stack_features, stack_lexical
 from rmm.types import Selection
 
 __all__ = ["RewardedBatch", "RewardedSelection", "behaviour_logp", "rewarded", "stack_rewarded"]
