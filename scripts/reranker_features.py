@@ -75,7 +75,9 @@ def candidate_features(query: str, ids: Sequence[str], texts: Sequence[str], pla
     """Every feature of FEATURE_GROUPS for one query's K candidates (in the candidates' order)."""
     if not len(ids) == len(texts) == len(places) == len(fused) == len(cosines):
         raise ValueError("ids, texts, places, fused and cosines must have one entry per candidate")
-    shared = feature_columns(query, ids, texts, cosines, dense, bm25, depth)
+    # the research runs took the gap to the candidates' best cosine (the library takes the depth list's)
+    shared = feature_columns(query, ids, texts, cosines, dense, bm25, depth,
+                             top_cosine=max((float(c) for c in cosines), default=0.0))
     return {
         "fused": [float(f) for f in fused],
         **{n: shared[n] for n in ("dense_rr", "bm25_rr", "dense_logrank", "bm25_logrank", "bm25_scaled")},

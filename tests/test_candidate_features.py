@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from rmm.errors import DataError
 from test_hybrid import TEXTS as CONCEPT_TEXTS
 from test_hybrid import ConceptEncoder
 from test_lexical_feature import lexical_problem
@@ -61,7 +63,8 @@ def test_feature_values_on_a_hand_made_example_equal_the_definitions() -> None:
     texts = ["Pixel the cat sleeps", "the cat", "hiking in june with friends"]
     dense = (["b", "a", "x"], [0.9, 0.8, 0.1])  # c not returned by the dense half
     bm25 = (["a", "c"], [4.0, 1.0])  # b not returned by BM25
-    x = candidate_feature_matrix("Where does Pixel the cat sleep?", ids, texts, [0.5, 0.7, 0.2], dense, bm25, depth=9)
+    x = candidate_feature_matrix("Where does Pixel the cat sleep?", ids, texts, [0.5, 0.7, 0.2], dense, bm25, depth=9,
+                                 top_cosine=0.7)
     assert x.shape == (3, F) and x.dtype == torch.float32
     col = {n: x[:, i].tolist() for i, n in enumerate(CANDIDATE_FEATURES)}
     assert col["dense_rr"] == pytest.approx([1 / 2, 1, 1 / 10])  # rank 1, 0, absent = the depth 9
@@ -75,9 +78,9 @@ def test_feature_values_on_a_hand_made_example_equal_the_definitions() -> None:
     # content words: query {pixel, cat, sleep}; a {pixel, cat, sleeps}; b {cat}; c {hiking, june, friends}
     assert col["jaccard"] == pytest.approx([2 / 4, 1 / 3, 0])
     assert col["query_coverage"] == pytest.approx([2 / 3, 1 / 3, 0])
-    assert candidate_feature_matrix("q", [], [], [], ([], []), ([], []), 5).shape == (0, F)
+    assert candidate_feature_matrix("q", [], [], [], ([], []), ([], []), 5, top_cosine=0.0).shape == (0, F)
     with pytest.raises(ValueError, match="one per candidate"):
-        feature_columns("q", ["a"], [], [0.1], ([], []), ([], []), 5)
+        feature_columns("q", ["a"], [], [0.1], ([], []), ([], []), 5, top_cosine=0.1)
 
 
 @pytest.fixture
@@ -101,7 +104,7 @@ def test_hybrid_candidates_carry_the_features_in_candidate_order(concept_bank: M
     expected = candidate_feature_matrix(
         query, c.memory_ids, texts, (c.embeddings @ c.query_embedding).tolist(),
         ([], []) if fusion == "lexical" else (dense.memory_ids, dense.retriever_scores.tolist()),
-        (bm25.memory_ids, bm25.retriever_scores.tolist()), 4)
+        (bm25.memory_ids, bm25.retriever_scores.tolist()), 4, top_cosine=depth_top_cosine(concept_bank, query, 4))
     assert torch.allclose(c.features, expected, atol=1e-6)
     if fusion == "lexical":  # no dense list: every dense rank is the depth
         assert c.features[:, CANDIDATE_FEATURES.index("dense_logrank")].tolist() == [1.0] * len(c)
@@ -112,6 +115,31 @@ def test_hybrid_candidates_carry_the_features_in_candidate_order(concept_bank: M
     assert plain.features is None and plain.feature_names == () and plain.memory_ids == c.memory_ids
     with pytest.raises(ValueError, match="candidate_features"):
         HybridRetriever(concept_bank, candidate_features="yes")  # type: ignore[arg-type]
+
+
+def depth_top_cosine(bank: MemoryBank, query: str, depth: int) -> float:
+    """The best cosine over the dense list's top `depth` (what `cosine_gap` is measured against)."""
+    (d,) = bank.search([query], "u", depth)
+    return float((d.embeddings @ d.query_embedding).max())
+
+
+@pytest.mark.parametrize("fusion", ["rrf", "lexical"])
+def test_a_memorys_features_do_not_depend_on_k(concept_bank: MemoryBank, fusion: str) -> None:
+    retriever = HybridRetriever(concept_bank, fusion=fusion, depth=4, candidate_features=True)
+    query = "Which feline sleeps to piano music"
+    (small,) = retriever.search([query], "u", 1)
+    (large,) = retriever.search([query], "u", 7)
+    common = [m for m in small.memory_ids if m in large.memory_ids]
+    assert common
+    for m in common:
+        assert torch.equal(small.features[small.memory_ids.index(m)], large.features[large.memory_ids.index(m)])
+
+
+def test_non_finite_features_are_refused_naming_the_feature() -> None:
+    with pytest.raises(DataError, match="cosine"):
+        candidate_feature_matrix("q", ["a"], ["x"], [float("nan")], ([], []), ([], []), 5, top_cosine=0.0)
+    with pytest.raises(DataError, match="bm25_scaled"):
+        candidate_feature_matrix("q", ["a"], ["x"], [0.1], ([], []), (["a"], [float("inf")]), 5, top_cosine=0.1)
 
 
 # ---- scoring ----------------------------------------------------------------------------------------------

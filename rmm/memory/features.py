@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from rmm.errors import DataError
+
 __all__ = [
     "CANDIDATE_FEATURES",
     "STOPWORDS",
@@ -117,24 +119,26 @@ def scaled_scores(ids: Sequence[str], ranking: Sequence[str], scores: Sequence[f
 
 def feature_columns(query: str, ids: Sequence[str], texts: Sequence[str], cosines: Sequence[float],
                     dense: tuple[Sequence[str], Sequence[float]], bm25: tuple[Sequence[str], Sequence[float]],
-                    depth: int) -> dict[str, list[float]]:
+                    depth: int, *, top_cosine: float) -> dict[str, list[float]]:
     """Every feature of `CANDIDATE_FEATURES` for one query's candidates (in the candidates' order), by name.
 
     `dense` and `bm25` are each half's ranked ids and scores, searched at least `depth` deep (an
     empty dense list — BM25 alone — ranks every candidate at the depth); `cosines` the candidates'
-    bank embeddings · the query embedding; `texts` what the memories say (their source text)."""
+    bank embeddings · the query embedding; `texts` what the memories say (their source text).
+    `top_cosine` is the best cosine over the first stage's depth list (not over these candidates):
+    `cosine_gap` = cosine − top_cosine, so the same memory gets the same gap at any K and in any
+    server batch (a batch searched at its largest k would otherwise change a small-k query's gap)."""
     if not len(ids) == len(texts) == len(cosines):
         raise ValueError(f"{len(ids)} ids, {len(texts)} texts and {len(cosines)} cosines: need one per candidate")
     dense_rr, dense_log = rank_features(ids, dense[0], depth)
     bm25_rr, bm25_log = rank_features(ids, bm25[0], depth)
     q_words = content_words(query)
     m_words = [content_words(t) for t in texts]
-    top_cos = max(cosines, default=0.0)
     return {
         "dense_rr": dense_rr, "bm25_rr": bm25_rr, "dense_logrank": dense_log, "bm25_logrank": bm25_log,
         "bm25_scaled": scaled_scores(ids, bm25[0], bm25[1]),
         "cosine": [float(c) for c in cosines],
-        "cosine_gap": [float(c) - top_cos for c in cosines],
+        "cosine_gap": [float(c) - float(top_cosine) for c in cosines],
         "log_tokens": [math.log1p(len(t.split())) for t in texts],
         "jaccard": [jaccard(q_words, w) for w in m_words],
         "query_coverage": [coverage(q_words, w) for w in m_words],
@@ -143,9 +147,18 @@ def feature_columns(query: str, ids: Sequence[str], texts: Sequence[str], cosine
 
 def candidate_feature_matrix(query: str, ids: Sequence[str], texts: Sequence[str], cosines: Sequence[float],
                              dense: tuple[Sequence[str], Sequence[float]],
-                             bm25: tuple[Sequence[str], Sequence[float]], depth: int) -> torch.Tensor:
-    """`feature_columns` as the `[K, F]` float32 tensor of `Candidates.features` (columns `CANDIDATE_FEATURES`)."""
-    columns = feature_columns(query, ids, texts, cosines, dense, bm25, depth)
+                             bm25: tuple[Sequence[str], Sequence[float]], depth: int, *,
+                             top_cosine: float) -> torch.Tensor:
+    """`feature_columns` as the `[K, F]` float32 tensor of `Candidates.features` (columns `CANDIDATE_FEATURES`).
+
+    Refuses a non-finite value (a NaN embedding, an infinite score) with `DataError` naming the
+    feature: nothing non-finite is stored with a candidate or learned from."""
+    columns = feature_columns(query, ids, texts, cosines, dense, bm25, depth, top_cosine=top_cosine)
     if not ids:
         return torch.zeros((0, len(CANDIDATE_FEATURES)), dtype=torch.float32)
-    return torch.tensor([columns[name] for name in CANDIDATE_FEATURES], dtype=torch.float32).T.contiguous()
+    matrix = torch.tensor([columns[name] for name in CANDIDATE_FEATURES], dtype=torch.float32).T.contiguous()
+    finite = torch.isfinite(matrix)
+    if not bool(finite.all()):
+        bad = [name for j, name in enumerate(CANDIDATE_FEATURES) if not bool(finite[:, j].all())]
+        raise DataError(f"non-finite candidate feature {', '.join(bad)} for query {query!r}")
+    return matrix

@@ -252,14 +252,27 @@ class HybridRetriever:
     def features_of(self, dense: Candidates, lexical: Candidates, order: list[str], embeddings: torch.Tensor,
                     user: str) -> torch.Tensor:
         """`CANDIDATE_FEATURES` of the memories of `order` ([K, F]): from both halves' lists (each searched
-        at least `depth` deep), the candidates' bank `embeddings` · the query's, and their texts."""
+        at least `depth` deep), the candidates' bank `embeddings` · the query's, and their texts.
+        `cosine_gap` is taken to the best cosine over the depth list — the dense half's top `depth`
+        rows, or for `fusion="lexical"` (no dense search) BM25's top `depth` ids' bank vectors — never
+        over the K candidates, so a memory's features do not depend on K or on a server batch's k."""
         texts = [m.source_text or m.text for m in self.bank.get(user, order)] if order else []
         query = dense.query_embedding
-        cosines = (embeddings @ query.reshape(-1).to(embeddings.dtype)).tolist() if query is not None else [0.0] * len(order)
+        if query is None:
+            cosines, top = [0.0] * len(order), 0.0
+        else:
+            q = query.reshape(-1).to(torch.float32)
+            cosines = (embeddings.to(torch.float32) @ q).tolist()
+            if self.fusion == "lexical":
+                ids = lexical.memory_ids[:self.depth]
+                pool = self.bank.embeddings(user, list(ids)) if ids else torch.zeros((0, q.numel()))
+            else:
+                pool = dense.embeddings[:self.depth]
+            top = float((pool.to(torch.float32) @ q).max()) if len(pool) else 0.0
         return candidate_feature_matrix(
             dense.query, order, texts, cosines,
             (dense.memory_ids, dense.retriever_scores.tolist()),
-            (lexical.memory_ids, lexical.retriever_scores.tolist()), self.depth)
+            (lexical.memory_ids, lexical.retriever_scores.tolist()), self.depth, top_cosine=top)
 
     def scaled_bm25(self, lexical: Candidates) -> dict[str, float]:
         """BM25's score min-max scaled over its top `depth` of `lexical` (BM25's list, searched at least
