@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from rmm.errors import DataError
 from test_hybrid import TEXTS as CONCEPT_TEXTS
 from test_hybrid import ConceptEncoder
 from test_lexical_feature import lexical_problem
 
-from rmm.errors import CheckpointError, FeatureMismatchError
+from rmm.errors import CheckpointError, DataError, FeatureMismatchError
 from rmm.eval.benchmark_bank import fill
 from rmm.memory.bank import MemoryBank
 from rmm.memory.features import (
