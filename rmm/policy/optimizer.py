@@ -44,7 +44,9 @@ def param_groups(reranker: ResidualLinearReranker, lr: float) -> list[dict[str, 
     """Eq. 1's matrices at `lr`; the lexical weight, one scalar, at `LEXICAL_LR_SCALE × lr` (Adam moves
     a parameter about lr per step whatever its gradient: at lr 3e-4 w travels at most ~0.1 in a
     LoCoMo training stream, so its start matters more than its step there). With candidate features
-    the lexical weight and the feature weights share one group at `FEATURE_LR_SCALE × lr`."""
+    the lexical weight and the feature weights share one group at `FEATURE_LR_SCALE × lr`: the recipe
+    chosen on training streams (`scripts/reranker_online_features.py`) had w in that group, and over
+    candidates without features both get zero gradient, so the coupling changes nothing there."""
     groups: list[dict[str, Any]] = [{"params": [reranker.W_q.weight, reranker.W_m.weight]}]
     if reranker.feature_weight is not None:
         scalars = [w for w in (reranker.lexical_weight, reranker.feature_weight) if w is not None]
