@@ -304,6 +304,8 @@ def test_a_queries_stored_features_do_not_depend_on_its_batch(tmp_path: Path) ->
         # between a k=5 and a k=20 dense search (reported, not fixed here)
         cols = [CANDIDATE_FEATURES.index("cosine"), CANDIDATE_FEATURES.index("cosine_gap")]
         for i, m in enumerate(a.memory_ids):
-            assert torch.equal(a.features[i, cols], b.features[b.memory_ids.index(m), cols]), m
+            assert torch.allclose(a.features[i, cols], b.features[b.memory_ids.index(m), cols], atol=1e-6), m
+        # (allclose, not equal: the encoder's query vector itself differs in its last bits batched of 2)
+        assert torch.allclose(a.query_embedding, b.query_embedding, atol=1e-6)
     finally:
         service.close()
