@@ -24,11 +24,27 @@ from rmm.memory.features import (  # noqa: F401 — re-exported for the research
     coverage,
     feature_columns,
     jaccard,
-    min_max_scores,
     rank_features,
-    rrf_feature,
     scaled_scores,
 )
+from rmm.memory.hybrid import min_max, rrf_fuse
+
+
+def min_max_scores(ids: Sequence[str], ranking: Sequence[str], scores: Sequence[float]) -> list[float]:
+    """Each id's score min-max scaled over the list (`rmm.memory.hybrid.min_max`: all equal → 1), 0 if absent."""
+    if len(ranking) != len(scores):
+        raise ValueError(f"{len(ranking)} ids but {len(scores)} scores")
+    scaled = min_max(ranking, scores)
+    return [scaled.get(m, 0.0) for m in ids]
+
+
+def rrf_feature(ids: Sequence[str], rankings: Sequence[Sequence[str]], rrf_k: float) -> list[float]:
+    """`rmm.memory.hybrid.rrf_fuse` over `rankings`, divided by its largest possible value
+    len(rankings)/(rrf_k + 1): 1 = first in every list."""
+    fused = rrf_fuse(rankings, rrf_k)
+    top = len(rankings) / (rrf_k + 1.0)
+    return [fused.get(m, 0.0) / top for m in ids]
+
 
 FEATURE_GROUPS: dict[str, tuple[str, ...]] = {
     # the RRF fused score / its largest value, in [0, 1] (the reranker's `lexical` feature until eb20cc6)

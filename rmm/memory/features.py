@@ -31,15 +31,13 @@ __all__ = [
     "coverage",
     "feature_columns",
     "jaccard",
-    "min_max_scores",
     "rank_features",
-    "rrf_feature",
     "scaled_scores",
 ]
 
 # The columns of `Candidates.features` a hybrid first stage computes, in this order:
 # each half's rank (reciprocal, and log-scaled over the depth; absent = at the depth), BM25's score over
-# its list's best, the cosine and its gap to the candidates' top cosine, log(1 + whitespace tokens), and
+# its list's best, the cosine and its gap to the best cosine of the first stage's depth list, log(1 + whitespace tokens), and
 # the query's content-word overlap (Jaccard, share of the query's content words covered).
 CANDIDATE_FEATURES: tuple[str, ...] = (
     "dense_rr", "bm25_rr", "dense_logrank", "bm25_logrank", "bm25_scaled",
@@ -86,26 +84,6 @@ def rank_features(ids: Sequence[str], ranking: Sequence[str], depth: int) -> tup
     position = {m: r for r, m in enumerate(ranking)}
     ranks = [min(position.get(m, depth), depth) for m in ids]
     return [1.0 / (r + 1) for r in ranks], [math.log(r + 1) / math.log(depth + 1) for r in ranks]
-
-
-def min_max_scores(ids: Sequence[str], ranking: Sequence[str], scores: Sequence[float]) -> list[float]:
-    """Each id's score min-max scaled over the list (all equal → 1), 0 if absent."""
-    if len(ranking) != len(scores):
-        raise ValueError(f"{len(ranking)} ids but {len(scores)} scores")
-    lo, hi = min(scores, default=0.0), max(scores, default=0.0)
-    by_id = dict(zip(ranking, scores))
-    return [0.0 if m not in by_id else (1.0 if hi == lo else (by_id[m] - lo) / (hi - lo)) for m in ids]
-
-
-def rrf_feature(ids: Sequence[str], rankings: Sequence[Sequence[str]], rrf_k: float) -> list[float]:
-    """Reciprocal-rank fusion Σ 1/(rrf_k + rank) (ranks from 1) over `rankings`, divided by its
-    largest possible value len(rankings)/(rrf_k + 1): 1 = first in every list."""
-    fused: dict[str, float] = {}
-    for ranking in rankings:
-        for rank, m in enumerate(ranking, start=1):
-            fused[m] = fused.get(m, 0.0) + 1.0 / (rrf_k + rank)
-    top = len(rankings) / (rrf_k + 1.0)
-    return [fused.get(m, 0.0) / top for m in ids]
 
 
 def scaled_scores(ids: Sequence[str], ranking: Sequence[str], scores: Sequence[float]) -> list[float]:

@@ -60,7 +60,7 @@ from rmm.memory.features import CANDIDATE_FEATURES, candidate_feature_matrix
 from rmm.memory.storage import MemoryStorage
 from rmm.types import Candidates, Memory
 
-__all__ = ["FUSIONS", "LEXICAL_DEFINITION", "OVER_DENSE", "HybridRetriever", "convex_fuse", "rrf_fuse"]
+__all__ = ["FUSIONS", "LEXICAL_DEFINITION", "OVER_DENSE", "HybridRetriever", "convex_fuse", "min_max", "rrf_fuse"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def rrf_fuse(rankings: Sequence[Sequence[str]], rrf_k: float = 60.0) -> dict[str
     return fused
 
 
-def _min_max(ids: Sequence[str], scores: Sequence[float]) -> dict[str, float]:
+def min_max(ids: Sequence[str], scores: Sequence[float]) -> dict[str, float]:
     """Scores mapped to [0, 1] over one list (all equal → all 1: each was returned, none is worse)."""
     if not ids:
         return {}
@@ -98,7 +98,7 @@ def convex_fuse(dense: tuple[Sequence[str], Sequence[float]], lexical: tuple[Seq
     """alpha · normalised dense + (1 − alpha) · normalised lexical; a missing score counts as 0."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    return _convex_mix(_min_max(*dense), _min_max(*lexical), alpha)
+    return _convex_mix(min_max(*dense), min_max(*lexical), alpha)
 
 
 def _convex_mix(d: dict[str, float], b: dict[str, float], alpha: float) -> dict[str, float]:
@@ -216,8 +216,8 @@ class HybridRetriever:
         if self.fusion == "lexical":
             return {m: scaled.get(m, 0.0) for m in lexical.memory_ids}
         # convex: each list scaled over all it returned (one scaling when BM25 was searched `depth` deep)
-        b = scaled if len(lexical) <= self.depth else _min_max(lexical.memory_ids, lexical.retriever_scores.tolist())
-        return _convex_mix(_min_max(dense.memory_ids, dense.retriever_scores.tolist()), b, self.alpha)
+        b = scaled if len(lexical) <= self.depth else min_max(lexical.memory_ids, lexical.retriever_scores.tolist())
+        return _convex_mix(min_max(dense.memory_ids, dense.retriever_scores.tolist()), b, self.alpha)
 
     def _fuse(self, dense: Candidates, lexical: Candidates, k: int, user: str) -> Candidates:
         scaled = self.scaled_bm25(lexical)  # once per query: the feature, and the fusion's lexical half
