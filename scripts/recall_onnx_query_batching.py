@@ -25,17 +25,15 @@ import os
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from bench_onnx_encoder import encode_with, fused_graph, int8_graph
-from recall_query_batching import Precomputed
+from recall_query_batching import alone_vs_batched
 from recall_query_encoder import locomo_turn_bank
 
 from rmm.encoders.onnx_backend import OnnxRunner, export_onnx
-from rmm.eval.retrieval import evaluate
 from rmm.serve.query_encoder import Int8QueryEncoder, query_encoder
 
 
@@ -77,27 +75,8 @@ def main() -> int:
         print(f"{'path':>13} | {'CPU ms/q':>8} | {'R@5 alone':>9} {'batched':>8} | {'R@20 alone':>10} {'batched':>8} | "
               f"{'top-M changed':>13} {'top-K changed':>13} | {'min cos':>8}")
         for label, path in paths.items():
-            with torch.inference_mode():
-                alone = {t: path.encode_queries([t])[0] for t in texts}  # type: ignore[attr-defined]
-                batched: dict[str, torch.Tensor] = {}
-                start = time.process_time()
-                for chunk in chunks:
-                    batched.update(zip(chunk, path.encode_queries(chunk)))  # type: ignore[attr-defined]
-                ms = 1000 * (time.process_time() - start) / len(texts)
-            recall, ids = {}, {}
-            for how, vectors in (("alone", alone), ("batched", batched)):
-                bank.encoder = Precomputed(encoder, vectors)  # type: ignore[union-attr]
-                report = evaluate(dataset, bank, "turn", ks=[5, args.k], retriever_name=f"{label}-{how}", progress=False)
-                recall[how] = report.overall
-                ids[how] = [bank.search([q.text], q.user_id, args.k)[0].memory_ids for q in questions]  # type: ignore[union-attr]
-            changed_m = sum(a[:args.m] != b[:args.m] for a, b in zip(ids["alone"], ids["batched"])) / len(questions)
-            changed_k = sum(a != b for a, b in zip(ids["alone"], ids["batched"])) / len(questions)
-            cos = torch.nn.functional.cosine_similarity(torch.stack([alone[t] for t in texts]),
-                                                        torch.stack([batched[t] for t in texts])).min()
-            r5, rk = "recall@5", f"recall@{args.k}"
-            print(f"{label:>13} | {ms:8.2f} | {100 * recall['alone'][r5]:9.2f} {100 * recall['batched'][r5]:8.2f} | "
-                  f"{100 * recall['alone'][rk]:10.2f} {100 * recall['batched'][rk]:8.2f} | {100 * changed_m:12.2f}% "
-                  f"{100 * changed_k:12.2f}% | {float(cos):8.5f}", flush=True)
+            check = alone_vs_batched(path, chunks, dataset, bank, encoder, args.k, args.m)
+            print(f"{label:>13} | {check.ms:8.2f} | {check.row(args.k)}", flush=True)
         bank.encoder = encoder  # type: ignore[union-attr]
     return 0
 
