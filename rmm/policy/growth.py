@@ -57,11 +57,9 @@ def terms_to_load(saved: Terms, lexical_feature: bool | None, feature_names: Seq
 
 def log_gains(folder: Path, terms: Terms, saved: Terms) -> None:
     """One INFO line naming what a loaded reranker gained, if anything."""
-    gained = []
-    if terms.lexical and not saved.lexical:
-        gained.append("the lexical weight")
-    if terms.feature_names != saved.feature_names:
-        gained.append(f"candidate feature weights {list(terms.feature_names)}")
+    names = _gained_names(terms, saved)
+    gained = (["the lexical weight"] if "lexical_weight" in names else []) + (
+        [f"candidate feature weights {list(terms.feature_names)}"] if "feature_weight" in names else [])
     if gained:
         log.info("reranker checkpoint %s was saved without %s, which this run asks for: gained at 0, so its "
                  "ranking is unchanged until they learn; the next save records them", folder, " and ".join(gained))

@@ -187,7 +187,7 @@ class ResidualLinearReranker(nn.Module):
         """The candidate features this reranker weighs, in `feature_weight`'s order (() = none)."""
         return self._feature_names
 
-    def _plus_lexical(self, scores: Tensor, lexical: Tensor | None, features: Tensor | None = None) -> Tensor:
+    def _plus_extensions(self, scores: Tensor, lexical: Tensor | None, features: Tensor | None = None) -> Tensor:
         """`scores + w·f + x·v` for the terms that are on and given; `scores` unchanged otherwise."""
         if self.lexical_weight is not None and lexical is not None:
             if lexical.shape != scores.shape:
@@ -207,7 +207,7 @@ class ResidualLinearReranker(nn.Module):
         `lexical` [B, K] and `features` [B, K, F] as `stack_lexical` / `stack_features` give them."""
         q = queries + self.W_q(queries)
         m = memories + self.W_m(memories)
-        return self._plus_lexical((m @ q.unsqueeze(-1)).squeeze(-1), lexical, features)
+        return self._plus_extensions((m @ q.unsqueeze(-1)).squeeze(-1), lexical, features)
 
     def policy_scores(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None,
                       features: Tensor | None = None) -> Tensor:
@@ -218,7 +218,7 @@ class ResidualLinearReranker(nn.Module):
         """
         q = queries + self.W_q(queries)
         u = q + q @ self.W_m.weight
-        return self._plus_lexical((memories @ u.unsqueeze(-1)).squeeze(-1), lexical, features)
+        return self._plus_extensions((memories @ u.unsqueeze(-1)).squeeze(-1), lexical, features)
 
     def tapped_policy_scores(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None,
                              features: Tensor | None = None) -> tuple[Tensor, PolicyTaps]:
@@ -235,7 +235,7 @@ class ResidualLinearReranker(nn.Module):
         u = q + mmo
         # the bmm that `memories @ u.unsqueeze(-1)` reaches through matmul's views, called directly: the same
         # values and gradients, fewer ops and autograd nodes
-        scores = self._plus_lexical(torch.bmm(memories, u.unsqueeze(-1)).squeeze(-1), lexical, features)
+        scores = self._plus_extensions(torch.bmm(memories, u.unsqueeze(-1)).squeeze(-1), lexical, features)
         return scores, PolicyTaps(queries=queries, lin=lin, q=q, mmo=mmo)
 
     @staticmethod
@@ -298,7 +298,7 @@ class ResidualLinearReranker(nn.Module):
         """Scores `[B, K]` through the folded query (no gradients); equal to `forward`."""
         transformed = self.transform_queries(queries)
         with torch.no_grad():
-            return self._plus_lexical((memories @ transformed.unsqueeze(-1)).squeeze(-1), lexical, features)
+            return self._plus_extensions((memories @ transformed.unsqueeze(-1)).squeeze(-1), lexical, features)
 
     @torch.no_grad()
     def select(

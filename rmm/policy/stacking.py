@@ -68,14 +68,10 @@ def stack_candidates(
 def stack_lexical(features: Sequence[Tensor | None], k_max: int, device: torch.device | None = None,
                   dtype: torch.dtype = torch.float32) -> Tensor | None:
     """`[B, K]` lexical features, one row per list (0 at padding and for lists without any); None
-    when no list has one. Used at sampling time (candidates) and at update time (rewarded records)."""
-    if all(f is None for f in features):
-        return None
-    out = torch.zeros(len(features), k_max, device=device, dtype=dtype)
-    for i, f in enumerate(features):
-        if f is not None:
-            out[i, : f.numel()] = f.reshape(-1).to(out.device, dtype)
-    return out
+    when no list has one: `stack_features` of one column. Used at sampling time (candidates) and at
+    update time (rewarded records)."""
+    stacked = stack_features([None if f is None else f.reshape(-1, 1) for f in features], k_max, 1, device, dtype)
+    return None if stacked is None else stacked.squeeze(-1)
 
 
 def stack_features(features: Sequence[Tensor | None], k_max: int, width: int, device: torch.device | None = None,

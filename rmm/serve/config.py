@@ -22,6 +22,7 @@ from rmm import config as _config
 from rmm.errors import ConfigError
 from rmm.memory.hybrid import OVER_DENSE, Fusion
 from rmm.policy.learner import LearnerConfig, recipe_config
+from rmm.serve.query_encoder import QUERY_PRECISIONS
 
 __all__ = [
     "DEFAULT_KEYS_ENV",
@@ -192,8 +193,8 @@ class ServeConfig:
                 raise ConfigError(f"store must be a postgresql:// URL (or empty for the bank folder), got {self.store!r}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1 or null, got {self.torch_threads}")
-        if self.query_precision not in ("auto", "float32", "int8", "int8-onnx"):
-            raise ConfigError(f"query_precision must be 'auto', 'float32', 'int8' or 'int8-onnx', got {self.query_precision!r}")
+        if self.query_precision not in QUERY_PRECISIONS:
+            raise ConfigError(f"query_precision must be one of {list(QUERY_PRECISIONS)}, got {self.query_precision!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.k < 1 or self.m < 1 or self.m > self.k:

@@ -11,6 +11,7 @@ user deleted mid-batch) is handed back to that query alone.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -23,6 +24,7 @@ from rmm.errors import UnknownMemoryError, UnknownUserError
 from rmm.memory.bank import MemoryBank
 from rmm.memory.hybrid import HybridRetriever
 from rmm.policy.registry import LearnerRegistry
+from rmm.policy.reranker import candidate_subset
 from rmm.serve.config import ServeConfig
 from rmm.serve.locked_encoder import LockedEncoder
 from rmm.serve.pending import PendingSelection, SelectionStore
@@ -106,12 +108,8 @@ class BatchRetriever:
                 continue
             for i, row, vec in zip(positions, rows, q):
                 k = items[i].k
-                found[i] = Candidates(query=row.query, memory_ids=row.memory_ids[:k],
-                                      retriever_scores=row.retriever_scores[:k], embeddings=row.embeddings[:k],
-                                      query_embedding=vec, user_id=user_id,
-                                      lexical=None if row.lexical is None else row.lexical[:k],
-                                      features=None if row.features is None else row.features[:k],
-                                      feature_names=row.feature_names)
+                found[i] = dataclasses.replace(candidate_subset(row, range(min(k, len(row)))),
+                                               query_embedding=vec, user_id=user_id)
         return found
 
     def _select(self, items: list[RetrieveItem], candidates: dict[int, Candidates]) -> dict[int, tuple[Selection, str]]:

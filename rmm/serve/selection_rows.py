@@ -125,15 +125,19 @@ def selection_row(s: PendingSelection, fmt: RowFormat = SQLITE_FORMAT) -> tuple[
             None if s.features is None else fmt.dump_json(list(s.feature_names)))
 
 
+def _corrupt(selection_id: str, what: str) -> CorruptSelectionError:
+    """The typed error for a row that cannot be decoded, naming the selection and what is wrong."""
+    return CorruptSelectionError(f"selection {selection_id!r} is stored corrupt: {what}; it cannot be learned from "
+                                 "— retrieve again")
+
+
 def _matrix(selection_id: str, what: str, blob: bytes | memoryview | None, rows: int, cols: int) -> torch.Tensor | None:
     """A [rows, cols] float32 blob, or the typed error naming the selection when its size is not that."""
     flat = _tensor(blob)
     if flat is None:
         return None
     if flat.numel() != rows * cols:
-        raise CorruptSelectionError(
-            f"selection {selection_id!r} is stored corrupt: its {what} hold {flat.numel()} floats, not "
-            f"{rows} × {cols}; it cannot be learned from — retrieve again")
+        raise _corrupt(selection_id, f"its {what} hold {flat.numel()} floats, not {rows} × {cols}")
     return flat.reshape(rows, cols)
 
 
@@ -144,11 +148,9 @@ def _feature_names(selection_id: str, raw: Any, fmt: RowFormat) -> tuple[str, ..
     try:
         names = fmt.load_json(raw)
     except (TypeError, ValueError) as exc:
-        raise CorruptSelectionError(f"selection {selection_id!r} is stored corrupt: its feature names are not "
-                                    f"JSON ({exc}); it cannot be learned from — retrieve again") from exc
+        raise _corrupt(selection_id, f"its feature names are not JSON ({exc})") from exc
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise CorruptSelectionError(f"selection {selection_id!r} is stored corrupt: its feature names are not a "
-                                    "list of strings; it cannot be learned from — retrieve again")
+        raise _corrupt(selection_id, "its feature names are not a list of strings")
     return tuple(names)
 
 
@@ -164,8 +166,7 @@ def selection_from_row(row: tuple[Any, ...], fmt: RowFormat = SQLITE_FORMAT) -> 
     embeddings = _matrix(sid, "candidate embeddings", row[15], k, query_embedding.numel())
     names = _feature_names(sid, row[21], fmt)
     if (row[20] is None) != (names is None):
-        raise CorruptSelectionError(f"selection {sid!r} is stored corrupt: it has candidate features without "
-                                    "their names or names without features; it cannot be learned from — retrieve again")
+        raise _corrupt(sid, "it has candidate features without their names or names without features")
     features = _matrix(sid, "candidate features", row[20], k, len(names or ()))
     mask = None if row[18] is None else torch.from_numpy(np.frombuffer(row[18], dtype=np.uint8).copy()).bool()
     return PendingSelection(
