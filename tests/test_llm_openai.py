@@ -273,6 +273,10 @@ def test_one_failure_fails_the_batch_and_cancels_the_rest(make) -> None:
         text = json.loads(request.content)["messages"][0]["content"]
         started.append(text)
         if text == "bad":
+            for _ in range(500):  # fail only once all three requests are in flight: the cancellation is what is tested
+                if len(started) == 3:
+                    break
+                await asyncio.sleep(0.01)
             return httpx.Response(400, text="prompt too long")
         if text == "slow":
             await asyncio.sleep(30)  # only cancellation ends this in time
