@@ -262,3 +262,60 @@ def test_topic_bank_reads_the_turn_vectors_its_turn_bank_cached(tiny_bert: Path,
     warm, warm_runs = topics(tmp_path / "warm", warm=True)
     assert warm == cold and len(cold) >= 2
     assert lines <= cold_runs and not lines & warm_runs  # warm: no turn line went through the model
+
+
+# ---- a fallback merge into a memory already past max_length -------------------------------------
+def _growing_topic() -> list[Session]:
+    """Four 3-turn sessions on one subject (too short to cut: one topic each); the first topic is
+    ~40 tokens, so the tiny BERT's 64-token limit is crossed by the first merge."""
+    sessions = []
+    for s in range(4):
+        texts = [f"we went hiking on trip {s} up the mountain ridge trail", f"trip {s} on that trail was steep",
+                 f"the ridge trail view on trip {s} was worth the hike"]
+        turns = [Turn(id=f"u:S{s}:{i}", session_id=f"u:S{s}", speaker="Ana", text=t) for i, t in enumerate(texts)]
+        sessions.append(Session(id=f"u:S{s}", user_id="u", turns=turns, time=f"t{s}"))
+    return sessions
+
+
+def test_fallback_merge_past_max_length_reuses_the_stored_vector(tiny_bert: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A merge that appends only truncated text leaves the memory's token ids, hence its vector, as
+    they were: the reflector reuses the stored vector instead of running the model, and the bank it
+    builds is the one the old re-encoding built, bit for bit the one built with a passage cache."""
+    from rmm.reflection import ProspectiveReflector
+    from rmm.reflection.segment import turn_line
+
+    sessions = _growing_topic()
+
+    def build(name: str, *, reencode_all: bool = False, cached: bool = False):  # type: ignore[no-untyped-def]
+        ids = iter(f"m{i:03d}" for i in range(1, 100))
+        monkeypatch.setattr(Memory, "new_id", staticmethod(lambda: next(ids)))
+        encoder = _encoder(tiny_bert)
+        runs = RunCounter(encoder, monkeypatch)
+        if cached:
+            attach_cache(encoder, tmp_path / f"{name}-cache")
+        with MemoryBank(tmp_path / name, encoder, device="cpu") as bank:
+            reflector = ProspectiveReflector(bank, None, merge_threshold=-1.0)  # every topic merges
+            if reencode_all:  # the code before the reuse: every merged memory re-encoded
+                monkeypatch.setattr(reflector, "_same_tokens", lambda pairs: [False] * len(pairs))
+            reflector.reflect_many(sessions)
+            memories = bank.memories("u")
+            vectors = bank.embeddings("u", [m.id for m in memories])
+        records = [(m.id, m.text, m.kind, m.refs, m.merged_from, m.source_text, m.time_span) for m in memories]
+        return records, vectors, runs.sequences, encoder
+
+    reused, vectors, runs, encoder = build("reused")
+    old, old_vectors, old_runs, _ = build("old", reencode_all=True)
+    cached, cached_vectors, _, _ = build("cached", cached=True)
+    (memory,) = reused
+    assert reused == old == cached and len(memory[3]) == 12  # one memory, all four sessions merged in
+    # the memory's tokens before each merge: S1 appends to 3 turns (< 64 tokens, so its tokens
+    # change); S2 and S3 append past the tiny BERT's 64-token limit (its tokens stay)
+    lines = [turn_line(t) for s in sessions for t in s.turns]
+    before = [len(ids) for ids in encoder.tokenize(["\n".join(lines[:3 * n]) for n in (1, 2, 3)])]
+    assert before[0] < 64 and before[1:] == [64, 64]
+    fresh = _encoder(tiny_bert).encode_passages([memory[1]])  # the stored vector is its text's
+    assert torch.allclose(vectors, fresh, atol=1e-6) and torch.allclose(vectors, old_vectors, atol=1e-6)
+    assert torch.equal(vectors, cached_vectors)  # what the passage cache hands back, to the bit
+    assert len(old_runs) == 4 + 3 and len(runs) == 4 + 1  # each topic, then only the S1 merge
+

@@ -211,7 +211,8 @@ class ProspectiveReflector:
 
         Each segment is encoded once (or `vectors` holds its passage vector already), the vector
         serving both the search and the add, and the memories merged into are re-encoded in one
-        call: encoding is nearly all the fallback's time."""
+        call (only those whose tokens changed, `_merged_vectors`): encoding is nearly all the
+        fallback's time."""
         if not extracted:
             return []
         context = _context_of(session)
@@ -219,6 +220,7 @@ class ProspectiveReflector:
         if vectors is None:
             vectors = self._encode_summaries([e.summary for e in extracted])
         merged: dict[str, Memory] = {}
+        stored_text: dict[str, str] = {}  # each memory merged into: its text before this session
         adds: list[Memory] = []
         added: list[int] = []
         for i, (e, neighbours) in enumerate(zip(extracted, self._neighbours_of(user, vectors))):
@@ -227,17 +229,47 @@ class ProspectiveReflector:
                 current = merged.get(target.id, target)
                 if len(set(current.refs) | set(e.refs)) <= self.max_merged_turns:
                     merged[target.id] = self._merged(current, current.text + "\n" + e.summary, e, context, True)
+                    stored_text.setdefault(target.id, target.text)
                     self.stats.merged += 1
                     continue
             adds.append(self._new(user, e, context, extractive=True))
             added.append(i)
-        # the memories merged into, re-encoded together (their new texts do not depend on each other)
-        rewritten = self._encode_summaries([memory.text for memory in merged.values()])
-        out = [self.bank.update(user, memory, embedding=vector) for memory, vector in zip(merged.values(), rewritten)]
+        out = [self.bank.update(user, memory, embedding=vector)
+               for memory, vector in zip(merged.values(), self._merged_vectors(user, list(merged.values()), stored_text))]
         if adds:
             self.bank.add(user, adds, embeddings=vectors[added])
             self.stats.added += len(adds)
         return out + adds
+
+    def _merged_vectors(self, user: str, memories: list[Memory], stored_text: dict[str, str]) -> torch.Tensor:
+        """The passage vectors of the memories a session merged into, those whose text changed for
+        the encoder re-encoded together (their new texts do not depend on each other).
+
+        A memory already past the encoder's `max_length` reads the same token ids after a merge
+        (the merge appends only what truncation drops): its stored vector is the one the encoder
+        would compute — exactly the one a passage cache would hand back — so it is reused, not
+        recomputed. Fallback topics grow to `max_merged_turns` turns, far past MiniLM's 256 tokens.
+        """
+        same = self._same_tokens([(stored_text[m.id], m.text) for m in memories])
+        kept = [m.id for m, unchanged in zip(memories, same) if unchanged]
+        vectors = torch.zeros(len(memories), int(self.bank.encoder.dim))
+        if kept:
+            vectors[[i for i, unchanged in enumerate(same) if unchanged]] = self.bank.embeddings(user, kept).float()
+        changed = [i for i, unchanged in enumerate(same) if not unchanged]
+        if changed:
+            vectors[changed] = self._encode_summaries([memories[i].text for i in changed])
+        return vectors
+
+    def _same_tokens(self, pairs: list[tuple[str, str]]) -> list[bool]:
+        """For each (before, after) text pair, whether the bank's encoder reads both as the same
+        passage token ids; False throughout for an encoder that does not expose its tokenizer."""
+        encoder = self.bank.encoder
+        tokenize = getattr(encoder, "tokenize", None)
+        prefix = getattr(getattr(encoder, "config", None), "passage_prefix", None)
+        if not pairs or not callable(tokenize) or not isinstance(prefix, str):
+            return [False] * len(pairs)
+        ids = tokenize([text for pair in pairs for text in pair], prefix)
+        return [ids[2 * i] == ids[2 * i + 1] for i in range(len(pairs))]
 
     def _decide(self, summary: str, existing: list[Memory]) -> tuple[int | None, str]:
         """The LLM's Add/Merge decision; anything unusable means Add (nothing gets lost)."""
