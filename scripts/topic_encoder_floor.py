@@ -9,8 +9,12 @@ measured float32 GEMM speed — a lower bound for any exact (float32) build:
 
     python scripts/topic_encoder_floor.py --conversation 0 --threads 1
 
-Compare the floor with `scripts/bench_topics.py`'s old CPU seconds for the same conversation to
-see the largest speed-up an exact build could reach. CPU seconds, as the machine is shared.
+Every text in those sets is needed for the output: a turn vector feeds the segmentation's gap
+similarities, a topic vector is stored or decides a merge, a merged memory's vector is stored and
+searched by the next session; token sequences the encoder reads twice (a merge that appends past
+`max_length`) are run once and are counted once here (`distinct`). `--old-cpu` takes
+`scripts/bench_topics.py`'s old CPU seconds for the same conversation and prints the largest
+speed-up an exact (float32) build could reach, cold and warm. CPU seconds, as the machine is shared.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ def main() -> int:
     parser.add_argument("--conversation", type=int, default=0, help="index of the LoCoMo conversation")
     parser.add_argument("--encoder", default="minilm")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--old-cpu", type=float, help="the old build's CPU seconds (bench_topics.py) for the bounds")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
@@ -94,19 +99,28 @@ def main() -> int:
     gflops = gemm_gflops(hidden, intermediate)
     log.info("%s · %s · %d thread(s) · load %.1f · build %.1f CPU s · GEMM %.0f GFLOP/s · %.1f MFLOP/token in linears",
              user, args.encoder, args.threads, os.getloadavg()[0], build, gflops, per_token / 1e6)
-    log.info("%-8s%7s%9s%14s%16s", "texts", "count", "tokens", "encoder CPU s", "linears floor s")
-    rows: dict[str, tuple[int, int, float, float]] = {}
+    log.info("%-8s%7s%9s%9s%9s%14s%16s", "texts", "count", "distinct", "tokens", "padded", "encoder CPU s",
+             "linears floor s")
+    rows: dict[str, tuple[int, int, int, int, float, float]] = {}
     for name, texts in sets.items():
-        tokens = sum(len(ids) for ids in encoder.tokenize(texts)) if texts else 0
+        unique = list(dict.fromkeys(tuple(ids) for ids in encoder.tokenize(texts))) if texts else []
+        tokens = sum(len(ids) for ids in unique)
+        padded = sum(len(batch) * len(unique[batch[0]]) for batch in encoder.batches([len(ids) for ids in unique]))
         start = time.process_time()
         if texts:
             encoder.encode_passages(texts)
-        rows[name] = (len(texts), tokens, time.process_time() - start, tokens * per_token / (gflops * 1e9))
-        log.info("%-8s%7d%9d%14.2f%16.2f", name, *rows[name])
-    total = [sum(row[i] for row in rows.values()) for i in range(4)]
-    log.info("%-8s%7d%9d%14.2f%16.2f", "total", *total)
-    log.info("%-8s%7d%9d%14.2f%16.2f  (turn vectors cached by the turn bank)", "warm",
-             *[total[i] - rows["turns"][i] for i in range(4)])
+        rows[name] = (len(texts), len(unique), tokens, padded, time.process_time() - start,
+                      tokens * per_token / (gflops * 1e9))
+        log.info("%-8s%7d%9d%9d%9d%14.2f%16.2f", name, *rows[name])
+    total = [sum(row[i] for row in rows.values()) for i in range(6)]
+    warm = [total[i] - rows["turns"][i] for i in range(6)]
+    log.info("%-8s%7d%9d%9d%9d%14.2f%16.2f", "total", *total)
+    log.info("%-8s%7d%9d%9d%9d%14.2f%16.2f  (turn vectors cached by the turn bank)", "warm", *warm)
+    if args.old_cpu:
+        log.info("5x needs <= %.2f CPU s; an exact build needs >= %.2f s cold (linears alone at %.0f GFLOP/s), "
+                 "%.2f s warm: at most %.1fx cold, %.1fx warm (today's encoder on these texts: %.1fx, %.1fx)",
+                 args.old_cpu / 5, total[5], gflops, warm[5], args.old_cpu / total[5], args.old_cpu / warm[5],
+                 args.old_cpu / total[4], args.old_cpu / warm[4])
     return 0
 
 
