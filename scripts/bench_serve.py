@@ -16,7 +16,9 @@ Two settings (`--setting`):
   about 3x less search time than float32 at 10k rows on this CPU); `--set index_precision='"float32"'`
   turns it off.
 
-The server runs in a subprocess for each batching mode (its torch thread count is printed); each
+The bench's own bank starts every run without the selections earlier runs left pending (each
+holds its candidates' embeddings; gigabytes after a few dozen runs). The server runs in a
+subprocess for each batching mode (its torch thread count is printed); each
 client sends retrieve requests back to back for `--duration` seconds after `--warmup`, on its own
 keep-alive connection of a minimal HTTP client (the load generator shares the cores with the
 server, so it must be cheap: its CPU time per request and share of a core are printed). Prints
@@ -64,7 +66,9 @@ class Row:
     requests: int
     req_per_s: float
     p50_ms: float
+    p90_ms: float
     p99_ms: float
+    max_ms: float
     mean_batch: float
     errors: int
     load_avg: float  # 1-minute load average at the end of the run
@@ -346,6 +350,9 @@ def main() -> int:
         default_bank = cache_dir() / "bench-serve" / "locomo-turn-minilm"
         what = "LoCoMo turns, MiniLM"
     bank = Path(args.bank) if args.bank else default_bank
+    if not args.bank:  # the bench's own bank: the selections earlier runs left pending (tens of KB each) go
+        for leftover in bank.glob("selections.sqlite*"):
+            leftover.unlink()
     print(f"bank {bank} ({what}); K {args.k}, M {args.m}; server device {args.device}, torch threads "
           f"{args.threads or 'default'}; {os.cpu_count()} CPUs; settings {extra or 'default'}", flush=True)
     t0 = time.perf_counter()
@@ -385,14 +392,15 @@ def main() -> int:
                     row = Row(clients=clients, batching=mode, max_batch=args.max_batch if batching else 1,
                               max_wait_ms=args.max_wait_ms if batching else 0.0, requests=sent,
                               req_per_s=len(latencies) / elapsed, p50_ms=1000 * percentile(latencies, 0.5),
-                              p99_ms=1000 * percentile(latencies, 0.99),
+                              p90_ms=1000 * percentile(latencies, 0.9), p99_ms=1000 * percentile(latencies, 0.99),
+                              max_ms=1000 * max(latencies, default=float("nan")),
                               mean_batch=(after[0] - before[0]) / batches if batches else float("nan"),
                               errors=errors, load_avg=os.getloadavg()[0],
                               server_cpu_ms=1000 * (cpu_after - cpu_before) / max(1, sent),
                               client_cpu_ms=1000 * client_cpu / max(1, sent), client_cpu_share=client_cpu / elapsed)
                     rows.append(row)
                     print(f"  batching {mode:3s} clients {clients:3d}: {row.req_per_s:7.1f} req/s  "
-                          f"p50 {row.p50_ms:7.1f} ms  p99 {row.p99_ms:7.1f} ms  batch {row.mean_batch:5.1f}  "
+                          f"p50 {row.p50_ms:7.1f} ms  p90 {row.p90_ms:7.1f} ms  p99 {row.p99_ms:7.1f} ms  max {row.max_ms:7.1f} ms  batch {row.mean_batch:5.1f}  "
                           f"server CPU {row.server_cpu_ms:5.1f} ms/req  client CPU {row.client_cpu_ms:4.2f} ms/req "
                           f"({100 * row.client_cpu_share:.0f}% of a core)  errors {errors}  load {row.load_avg:.1f}",
                           flush=True)
@@ -404,12 +412,12 @@ def main() -> int:
                     proc.kill()
 
     print()
-    print("| clients | batching | max_batch | max_wait_ms | req/s | p50 ms | p99 ms | mean batch | server CPU ms/req "
-          "| client CPU ms/req | errors | load |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| clients | batching | max_batch | max_wait_ms | req/s | p50 ms | p90 ms | p99 ms | max ms | mean batch "
+          "| server CPU ms/req | client CPU ms/req | errors | load |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r.clients} | {r.batching} | {r.max_batch} | {r.max_wait_ms:g} | {r.req_per_s:.1f} | "
-              f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.mean_batch:.1f} | {r.server_cpu_ms:.1f} | {r.client_cpu_ms:.2f} | "
+              f"{r.p50_ms:.1f} | {r.p90_ms:.1f} | {r.p99_ms:.1f} | {r.max_ms:.1f} | {r.mean_batch:.1f} | {r.server_cpu_ms:.1f} | {r.client_cpu_ms:.2f} | "
               f"{r.errors} | "
               f"{r.load_avg:.1f} |")
     on = {r.clients: r for r in rows if r.batching == "on"}

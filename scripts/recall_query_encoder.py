@@ -3,9 +3,9 @@
 
 Recall@K on LoCoMo (turn granularity, `rmm eval`'s runner and headline: categories 1-4, the
 adversarial one beside) with the real MiniLM: once with float32 queries, once with the int8
-query path — both against the same float32 passage vectors, as the server has them. Also prints
-the query encoding time per query of each path (batches of 32, one thread) and the cosine of
-int8 to float32 query vectors. The server's setting is acceptable when no recall drops by more
+query path (packed, the server's, and the padded one it replaced for BERT encoders) — all against
+the same float32 passage vectors, as the server has them. Also prints the query encoding time per
+query of each path (batches of 32, one thread) and the cosine of int8 to float32 query vectors. The server's setting is acceptable when no recall drops by more
 than `--max-drop` points (default 0.5); exits 1 otherwise.
 
     python scripts/recall_query_encoder.py
@@ -65,31 +65,34 @@ def main() -> int:
     args = parser.parse_args()
     dataset, bank, encoder = locomo_turn_bank(args.encoder, args.data_dir, args.threads)
     assert encoder is not None
-    int8 = Int8QueryEncoder(encoder)
+    paths = {"float32": encoder, "int8 padded": Int8QueryEncoder(encoder, packed=False),
+             "int8": Int8QueryEncoder(encoder)}  # the last: what the server runs
     reports = {}
-    for label, query_path in (("float32", encoder), ("int8", int8)):
+    for label, query_path in paths.items():
         bank.encoder = query_path  # type: ignore[union-attr]  # the bank encodes queries with it
         reports[label] = evaluate(dataset, bank, "turn", ks=args.ks, retriever_name=label, progress=False)
     texts = [q.text for q in dataset.questions[:512]]
     with torch.inference_mode():
-        cosine = torch.nn.functional.cosine_similarity(encoder.encode_queries(texts), int8.encode_queries(texts))
-    speed = {label: seconds_per_query(path.encode_queries, texts[:256]) for label, path in
-             (("float32", encoder), ("int8", int8))}
+        exact = encoder.encode_queries(texts)
+        cosines = {label: torch.nn.functional.cosine_similarity(exact, path.encode_queries(texts))
+                   for label, path in paths.items() if label != "float32"}
+    speed = {label: seconds_per_query(path.encode_queries, texts[:256]) for label, path in paths.items()}
 
     load = os.getloadavg()[0]
     print(f"LoCoMo turn recall, {args.encoder}, {reports['float32'].overall['n']} questions (categories 1-4); "
           f"torch {torch.__version__}, {args.threads} thread(s), load average {load:.1f}")
     metrics = [m for m in reports["float32"].overall if m != "n"]
-    print(f"{'metric':>14} | {'float32':>8} | {'int8':>8} | {'drop':>6}")
+    print(f"{'metric':>14} | " + " | ".join(f"{label:>11}" for label in paths) + f" | {'int8 drop':>9}")
     worst = 0.0
     for metric in metrics:
-        full, quant = reports["float32"].overall[metric], reports["int8"].overall[metric]
-        drop = 100 * (full - quant)
+        values = {label: 100 * reports[label].overall[metric] for label in paths}
+        drop = values["float32"] - values["int8"]
         worst = max(worst, drop)
-        print(f"{metric:>14} | {100 * full:8.2f} | {100 * quant:8.2f} | {drop:+6.2f}")
-    print(f"query cosine int8 vs float32: min {cosine.min():.4f}, mean {cosine.mean():.4f}")
-    print(f"query encoding, batches of 32: float32 {1000 * speed['float32']:.2f} ms/query, "
-          f"int8 {1000 * speed['int8']:.2f} ms/query ({speed['float32'] / speed['int8']:.2f}x)")
+        print(f"{metric:>14} | " + " | ".join(f"{v:11.2f}" for v in values.values()) + f" | {drop:+9.2f}")
+    for label, cosine in cosines.items():
+        print(f"query cosine {label} vs float32: min {cosine.min():.4f}, mean {cosine.mean():.4f}")
+    print("query encoding, batches of 32: " + ", ".join(
+        f"{label} {1000 * seconds:.2f} ms/query ({speed['float32'] / seconds:.2f}x)" for label, seconds in speed.items()))
     return drop_verdict(worst, args.max_drop)
 
 

@@ -12,6 +12,7 @@ from fakes import BagOfWordsEncoder
 from fastapi.testclient import TestClient
 
 from rmm.serve.app import create_app
+from rmm.serve.batcher import MIN_SPLIT
 from rmm.serve.config import load_config
 from rmm.serve.records import NewMemory
 
@@ -208,23 +209,27 @@ async def _fire(app, n: int) -> list[httpx.Response]:
             for i in range(n))))
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_concurrent_requests_share_one_encoder_call(tmp_path: Path, enabled: bool) -> None:
+@pytest.mark.parametrize(("enabled", "requests", "calls"), [
+    (True, 2 * MIN_SPLIT - 1, 1),  # one batch, one encoder call
+    (True, 4 * MIN_SPLIT, 2),  # a backlog is split in halves so the two stages overlap: two calls
+    (False, 2 * MIN_SPLIT - 1, 2 * MIN_SPLIT - 1),  # one call per request
+])
+def test_concurrent_requests_share_encoder_calls(tmp_path: Path, enabled: bool, requests: int, calls: int) -> None:
     app = make_app(tmp_path, batching={"enabled": enabled, "max_batch": 64, "max_wait_ms": 200})
     service = app.state.service
 
     async def main() -> list[httpx.Response]:
         async with app.router.lifespan_context(app):
             service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
-            calls = service.encoder.query_calls
-            responses = await _fire(app, 16)
-            main.calls = service.encoder.query_calls - calls  # type: ignore[attr-defined]
+            before = service.encoder.query_calls
+            responses = await _fire(app, requests)
+            main.calls = service.encoder.query_calls - before  # type: ignore[attr-defined]
             return responses
 
     responses = asyncio.run(main())
     assert all(r.status_code == 200 for r in responses)
-    assert {r.json()["results"][0]["query"] for r in responses} == {f"{FACTS[i % 6]} {i}" for i in range(16)}
-    assert main.calls == (1 if enabled else 16)  # type: ignore[attr-defined]
+    assert {r.json()["results"][0]["query"] for r in responses} == {f"{FACTS[i % 6]} {i}" for i in range(requests)}
+    assert main.calls == calls  # type: ignore[attr-defined]
 
 
 def test_concurrent_writes_share_one_encoder_call_and_fail_alone(tmp_path: Path) -> None:
@@ -292,3 +297,18 @@ def test_the_tenant_dependency_refuses_on_its_own_without_the_gate(tmp_path: Pat
             assert client.get("/v1/users", headers=B).json() == {"users": []}
     finally:
         service.close()
+
+
+def test_start_up_objects_are_kept_out_of_the_collectors_full_passes(tmp_path: Path) -> None:
+    """A full collection walking the ~400k start-up objects paused every thread for ~200 ms under
+    load; the server freezes them once started and thaws them at shutdown."""
+    import gc
+
+    app = make_app(tmp_path)
+
+    async def main() -> int:
+        async with app.router.lifespan_context(app):
+            return gc.get_freeze_count()
+
+    assert asyncio.run(main()) > 1000
+    assert gc.get_freeze_count() == 0

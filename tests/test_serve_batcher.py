@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -194,3 +195,169 @@ def test_close_drains_queued_items_then_refuses_new_ones() -> None:
 def test_bad_settings_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         MicroBatcher(Recorder(), **kwargs)
+
+
+# ---- two stages: prepare(items) in one thread, fn(items, prepared) in another -------------------
+
+class Stages:
+    """A two-stage batch function that records when each stage of each batch ran, and where."""
+
+    def __init__(self, prepare_delay: float = 0.0, finish_delay: float = 0.0) -> None:
+        self.prepare_delay, self.finish_delay = prepare_delay, finish_delay
+        self.events: list[tuple[str, str, float]] = []  # (stage, first item, time)
+        self.finished: list[list[int]] = []
+        self.threads: dict[str, set[str]] = {"prepare": set(), "finish": set()}
+        self._lock = threading.Lock()
+
+    def _note(self, stage: str, items: list[int], edge: str) -> None:
+        with self._lock:
+            self.events.append((f"{stage}-{edge}", str(items[0]), time.perf_counter()))
+            self.threads[stage].add(threading.current_thread().name)
+
+    def prepare(self, items: list[int]) -> list[int]:
+        self._note("prepare", items, "start")
+        if any(i == -99 for i in items):
+            raise RuntimeError("prepare crashed")
+        time.sleep(self.prepare_delay)
+        self._note("prepare", items, "end")
+        return [i * 10 for i in items]
+
+    def finish(self, items: list[int], prepared: list[int]) -> list[int]:
+        self._note("finish", items, "start")
+        time.sleep(self.finish_delay)
+        self.finished.append(list(items))
+        self._note("finish", items, "end")
+        return [p + 1 for p in prepared]
+
+
+def test_two_stages_run_in_two_threads_and_compose() -> None:
+    stages = Stages()
+
+    async def main() -> list[int]:
+        batcher = MicroBatcher(stages.finish, prepare=stages.prepare, max_batch=64, max_wait_ms=20)
+        try:
+            return list(await asyncio.gather(*(batcher.submit(i) for i in range(5))))
+        finally:
+            await batcher.close()
+
+    assert run(main()) == [i * 10 + 1 for i in range(5)]
+    assert stages.finished == [list(range(5))]
+    (prepare_thread,), (finish_thread,) = stages.threads["prepare"], stages.threads["finish"]
+    assert prepare_thread != finish_thread and prepare_thread.startswith("rmm-batch-prepare")
+
+
+def test_the_next_batch_prepares_while_this_one_finishes_in_order() -> None:
+    stages = Stages(prepare_delay=0.05, finish_delay=0.15)
+
+    async def main() -> None:
+        batcher = MicroBatcher(stages.finish, prepare=stages.prepare, max_batch=4, max_wait_ms=0)
+        try:
+            await batcher.submit_many(list(range(12)))
+        finally:
+            await batcher.close()
+
+    run(main())
+    assert stages.finished == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # one at a time, in order
+    at = {(kind, first): t for kind, first, t in stages.events}
+    # batch 2 was prepared while batch 1 was still in its second stage
+    assert at[("prepare-start", "4")] < at[("finish-end", "0")]
+    assert at[("prepare-end", "4")] < at[("finish-end", "0")]
+    # and no second stage ever overlapped another
+    spans = sorted((at[("finish-start", f)], at[("finish-end", f)]) for f in ("0", "4", "8"))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+
+
+def test_a_backlog_is_split_in_halves_when_the_second_stage_is_idle() -> None:
+    stages = Stages(finish_delay=0.05)
+
+    async def main() -> None:
+        batcher = MicroBatcher(stages.finish, prepare=stages.prepare, max_batch=64, max_wait_ms=20)
+        try:
+            await asyncio.gather(*(batcher.submit(i) for i in range(32)))
+        finally:
+            await batcher.close()
+
+    run(main())
+    assert [len(b) for b in stages.finished] == [16, 16]
+    assert [i for b in stages.finished for i in b] == list(range(32))
+
+
+def test_a_small_backlog_is_not_split() -> None:
+    stages = Stages()
+
+    async def main() -> None:
+        batcher = MicroBatcher(stages.finish, prepare=stages.prepare, max_batch=64, max_wait_ms=20)
+        try:
+            await asyncio.gather(*(batcher.submit(i) for i in range(10)))
+        finally:
+            await batcher.close()
+
+    run(main())
+    assert stages.finished == [list(range(10))]
+
+
+def test_a_failed_first_stage_fails_only_its_batch() -> None:
+    stages = Stages()
+
+    async def main() -> tuple[list, list[int]]:
+        batcher = MicroBatcher(stages.finish, prepare=stages.prepare, max_batch=3, max_wait_ms=0)
+        try:
+            failed = await asyncio.gather(*(batcher.submit(i) for i in (1, -99, 2)), return_exceptions=True)
+            later = await batcher.submit_many([3, 4])
+            return failed, later
+        finally:
+            await batcher.close()
+
+    failed, later = run(main())
+    assert all(isinstance(r, RuntimeError) and "prepare crashed" in str(r) for r in failed)
+    assert later == [31, 41]
+    assert stages.finished == [[3, 4]]
+
+
+def test_close_waits_for_the_batch_in_its_second_stage() -> None:
+    stages = Stages(finish_delay=0.1)
+
+    async def main() -> list[int]:
+        batcher = MicroBatcher(stages.finish, prepare=stages.prepare, max_batch=64, max_wait_ms=0)
+        future = asyncio.ensure_future(batcher.submit(7))
+        await asyncio.sleep(0.03)  # prepared, now in the second stage
+        await batcher.close()
+        assert future.done()
+        return [future.result()]
+
+    assert run(main()) == [71]
+
+
+def test_disabled_runs_both_stages_per_request() -> None:
+    stages = Stages()
+
+    async def main() -> list[list[int]]:
+        batcher = MicroBatcher(stages.finish, prepare=stages.prepare, max_batch=64, max_wait_ms=50, enabled=False)
+        try:
+            return list(await asyncio.gather(*(batcher.submit_many([i]) for i in range(3))))
+        finally:
+            await batcher.close()
+
+    assert run(main()) == [[i * 10 + 1] for i in range(3)]
+    assert sorted(stages.finished) == [[0], [1], [2]]
+
+
+def test_items_queued_while_busy_do_not_wait_for_company() -> None:
+    fn = Recorder(delay=0.2)
+
+    async def main() -> float:
+        batcher = MicroBatcher(fn, max_batch=64, max_wait_ms=500)
+        try:
+            first = asyncio.ensure_future(batcher.submit(0))  # alone after a quiet spell: waits 500 ms
+            await asyncio.sleep(0.6)  # [0] is running now
+            queued = time.perf_counter()
+            await batcher.submit(1)  # queued while the worker is busy
+            waited = time.perf_counter() - queued
+            await first
+            return waited
+        finally:
+            await batcher.close()
+
+    waited = run(main())
+    assert fn.calls == [[0], [1]]
+    assert waited < 0.45  # ran right after [0] (~0.1 s left + 0.2 s), not after another 500 ms wait

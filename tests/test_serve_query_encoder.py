@@ -31,7 +31,10 @@ def minilm(minilm_path: Path):
 def test_int8_queries_rank_like_float32_and_passages_are_untouched(minilm) -> None:
     fast = query_encoder(minilm, "auto")  # a transformer on the CPU: int8
     assert isinstance(fast, Int8QueryEncoder) and fast.fingerprint == minilm.fingerprint and fast.dim == 384
-    assert quantized_linears(fast._queries.model) == 6 * 6 + 1 and quantized_linears(minilm.model) == 0  # + pooler
+    assert fast._packed is not None and len(fast._packed.layers) == 6  # BERT: the packed int8 forward
+    assert quantized_linears(minilm.model) == 0
+    padded = Int8QueryEncoder(minilm, packed=False)
+    assert quantized_linears(padded._queries.model) == 6 * 6 + 1  # + pooler
     passages = minilm.encode_passages(FACTS)
     assert torch.equal(fast.encode_passages(FACTS), passages)  # what the bank stores does not change
     exact, quick = minilm.encode_queries(QUESTIONS), fast.encode_queries(QUESTIONS)

@@ -127,6 +127,12 @@ def test_unknown_user_and_memory_errors(store: MemoryStorage) -> None:
     with pytest.raises(UnknownMemoryError):
         store.delete("alice", ["a", "nope"])
     assert [m.id for m in store.memories("alice")] == ["a"]  # the failed delete removed nothing
+    assert store.get("alice", []) == []
+    with pytest.raises(UnknownUserError):
+        store.get("zed", [])
+    store.delete_user("alice")
+    with pytest.raises(UnknownUserError):  # the one-query read still knows a deleted user
+        store.get("alice", ["a"])
 
 
 def test_update_replaces_fields_and_optionally_the_embedding(store: MemoryStorage) -> None:

@@ -383,7 +383,11 @@ class Encoder:
             inputs = {**inputs, "use_cache": False}
         outputs = self.model(**inputs)
         hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-        pooled = pool(hidden, inputs["attention_mask"], self.config.pooling)
+        return self.sentence_embeddings(hidden, inputs["attention_mask"])
+
+    def sentence_embeddings(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
+        """The transformer's last hidden states [B, T, H] → pooled, dense head, normalised."""
+        pooled = pool(hidden, attention_mask, self.config.pooling)
         if self.dense is not None:
             pooled = self.dense(pooled)
         if self.config.normalize:

@@ -330,8 +330,7 @@ class MemoryBank:
         return self.store.users()
 
     def get(self, user: str, ids: list[str]) -> list[Memory]:
-        self.store.require_user(user)
-        return self.store.get(user, ids)
+        return self.store.get(user, ids)  # checks the user itself
 
     def memories(self, user: str) -> list[Memory]:
         self.store.require_user(user)

@@ -100,6 +100,11 @@ def _memory_row(memory: Memory) -> tuple[Any, ...]:
     )
 
 
+def _check_user_name(user: object) -> None:
+    if not isinstance(user, str) or not user:
+        raise ValueError(f"user must be a non-empty string, got {user!r}")
+
+
 def _memory_from_row(row: Sequence[Any]) -> Memory:
     span = None if row[9] is None else tuple(json.loads(row[9]))
     return Memory(
@@ -389,8 +394,7 @@ class MemoryStore:
 
     def require_user(self, user: str) -> None:
         """Raise `UnknownUserError` (naming the users there are) unless `user` has memories here."""
-        if not isinstance(user, str) or not user:
-            raise ValueError(f"user must be a non-empty string, got {user!r}")
+        _check_user_name(user)
         with self._read() as conn:
             self._require_user(conn, user)
 
@@ -411,18 +415,24 @@ class MemoryStore:
             return int(conn.execute("SELECT COUNT(*) FROM memories WHERE user_id=?", (user,)).fetchone()[0])
 
     def get(self, user: str, ids: list[str]) -> list[Memory]:
-        """Memories in the order of `ids`."""
+        """Memories in the order of `ids`: one query when they are all there (every retrieval
+        reads its shown memories here); the user and the ids are checked only when some are not,
+        so the error still names what is missing."""
+        _check_user_name(user)
         ids = list(ids)
+        unique = list(dict.fromkeys(ids))
+        found: dict[str, Memory] = {}
         with self._read() as conn:
-            self._require_user(conn, user)
-            self._require_ids(conn, user, ids)
-            found: dict[str, Memory] = {}
-            unique = list(dict.fromkeys(ids))
             for start in range(0, len(unique), 500):
                 chunk = unique[start : start + 500]
                 marks = ",".join("?" * len(chunk))
-                for row in conn.execute(f"SELECT {_MEMORY_COLUMNS} FROM memories WHERE user_id=? AND id IN ({marks})", (user, *chunk)):
+                for row in conn.execute(f"SELECT {_MEMORY_COLUMNS} FROM memories WHERE user_id=? AND id IN ({marks}) "
+                                        "AND EXISTS (SELECT 1 FROM users WHERE user_id=? AND active=1)",
+                                        (user, *chunk, user)):
                     found[row[0]] = _memory_from_row(row)
+            if not unique or len(found) < len(unique):
+                self._require_user(conn, user)
+                self._require_ids(conn, user, ids)
         return [found[i] for i in ids]
 
     def memories(self, user: str) -> list[Memory]:

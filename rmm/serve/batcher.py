@@ -7,9 +7,16 @@ company and then runs one batched call serves more requests per second at a smal
 The batcher is generic: `fn(items) -> results` gets a list of items and returns one result per
 item, in order; a result may be an exception instance, which fails only that item's caller. While
 one batch runs in the worker thread the next one accumulates, so under load batches fill up by
-themselves; `max_wait_ms` only bounds how long the first item of a quiet period waits.
+themselves; `max_wait_ms` only bounds how long the first item of a quiet period waits (items that
+queued while the worker was busy are dispatched without waiting).
 With `enabled=False` every `submit_many` call runs on its own (in the default thread pool,
 concurrently) — the baseline a server without micro-batching would be.
+
+With `prepare`, a batch runs in two stages on two threads, `fn(items, prepare(items))`, as a
+two-deep pipeline: the next batch's `prepare` runs while this batch's `fn` does, so a second core
+works instead of idling (the server encodes queries in `prepare` and searches, reranks and persists
+in `fn`). `fn` still sees one batch at a time, in arrival order, and at most one batch waits
+between the stages.
 """
 
 from __future__ import annotations
@@ -21,11 +28,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["BatcherClosedError", "MicroBatcher"]
 
 log = logging.getLogger(__name__)
+
+MIN_SPLIT = 8  # a pipeline splits a backlog only into halves of at least this many (small batches cost more per item)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -44,18 +53,21 @@ class _Entry(Generic[T, R]):
 class MicroBatcher(Generic[T, R]):
     """Coalesce items up to `max_batch`, waiting at most `max_wait_ms` for the batch to fill.
 
-    `on_batch(size, seconds)` is called after every call of `fn` (metrics). The batcher binds to
-    the event loop of its first `submit`, so it can be built outside any loop.
+    `on_batch(size, seconds)` is called after every call of `fn` (metrics; seconds from the start
+    of `prepare`, when there is one). The batcher binds to the event loop of its first `submit`, so
+    it can be built outside any loop.
     """
 
-    def __init__(self, fn: Callable[[list[T]], Sequence[R | BaseException]], *, max_batch: int = 64,
+    def __init__(self, fn: Callable[..., Sequence[R | BaseException]], *, max_batch: int = 64,
                  max_wait_ms: float = 5.0, enabled: bool = True, name: str = "batch",
-                 on_batch: Callable[[int, float], None] | None = None) -> None:
+                 on_batch: Callable[[int, float], None] | None = None,
+                 prepare: Callable[[list[T]], Any] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
         self.fn = fn
+        self.prepare = prepare
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
         self.enabled = enabled
@@ -66,6 +78,7 @@ class MicroBatcher(Generic[T, R]):
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._prepare_executor: ThreadPoolExecutor | None = None
         self._closed = False
 
     # ---- submitting ----------------------------------------------------------------------
@@ -92,7 +105,7 @@ class MicroBatcher(Generic[T, R]):
     async def _run_unbatched(self, items: list[T]) -> list[R]:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        results = await loop.run_in_executor(None, self.fn, items)
+        results = await loop.run_in_executor(None, self._call, items)
         self._report(len(items), time.perf_counter() - started)
         out: list[R] = []
         for result in self._check_length(results, len(items)):
@@ -101,6 +114,10 @@ class MicroBatcher(Generic[T, R]):
             out.append(result)
         return out
 
+    def _call(self, items: list[T]) -> Sequence[R | BaseException]:
+        """Both stages in the calling thread (the unbatched baseline)."""
+        return self.fn(items) if self.prepare is None else self.fn(items, self.prepare(items))
+
     # ---- the collecting loop -------------------------------------------------------------
     def _ensure_started(self) -> None:
         if self._task is not None:
@@ -108,46 +125,85 @@ class MicroBatcher(Generic[T, R]):
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rmm-{self.name}")
+        if self.prepare is not None:
+            self._prepare_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rmm-{self.name}-prepare")
         self._task = self._loop.create_task(self._collect(), name=f"rmm-{self.name}-batcher")
 
     async def _collect(self) -> None:
         assert self._wakeup is not None and self._loop is not None
         loop = self._loop
-        while True:
-            while not self._pending:
-                if self._closed:
-                    return
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            deadline = loop.time() + self.max_wait
-            while len(self._pending) < self.max_batch and not self._closed:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
-                except TimeoutError:
-                    break
-            batch = [self._pending.popleft() for _ in range(min(self.max_batch, len(self._pending)))]
-            batch = [e for e in batch if not e.future.done()]  # callers that gave up (disconnects)
-            if batch:
-                await self._dispatch(batch)
+        second_stage: asyncio.Task[None] | None = None  # the previous batch's `fn`, still running
+        try:
+            quiet = True  # the first batch after start-up waits for company too
+            while True:
+                quiet = quiet or not self._pending
+                while not self._pending:
+                    if self._closed:
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                # Wait for company only after a quiet spell: items that queued up while the worker
+                # was busy go at once (under load, waiting would only add latency).
+                deadline = loop.time() + (self.max_wait if quiet else 0.0)
+                while len(self._pending) < self.max_batch and not self._closed:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        break
+                    self._wakeup.clear()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), remaining)
+                    except TimeoutError:
+                        break
+                size = self._batch_size(idle=second_stage is None or second_stage.done())
+                batch = [self._pending.popleft() for _ in range(size)]
+                batch = [e for e in batch if not e.future.done()]  # callers that gave up (disconnects)
+                quiet = False
+                if batch:
+                    second_stage = await self._dispatch(batch, second_stage)
+        finally:
+            if second_stage is not None:
+                await second_stage
 
-    async def _dispatch(self, batch: list[_Entry[T, R]]) -> None:
+    def _batch_size(self, *, idle: bool) -> int:
+        """How many pending items the next batch takes: all (up to `max_batch`), except that a
+        pipeline whose second stage is idle takes half of a large backlog, so the second stage
+        starts on one half while the first stage prepares the other. Without the split, clients
+        that all wait for one batch come back together and the stages take turns forever."""
+        size = min(self.max_batch, len(self._pending))
+        if self.prepare is not None and idle and size >= 2 * MIN_SPLIT:
+            size = -(-size // 2)
+        return size
+
+    async def _dispatch(self, batch: list[_Entry[T, R]],
+                        previous: asyncio.Task[None] | None) -> asyncio.Task[None] | None:
+        """Run `batch`; with `prepare`, return its second stage still running (after `previous`)."""
         assert self._loop is not None
         started = time.perf_counter()
+        items = [e.item for e in batch]
+        if self.prepare is None:
+            await self._finish(batch, started, self._loop.run_in_executor(self._executor, self.fn, items))
+            return None
         try:
-            results = await self._loop.run_in_executor(self._executor, self.fn, [e.item for e in batch])
-            results = self._check_length(results, len(batch))
+            prepared = await self._loop.run_in_executor(self._prepare_executor, self.prepare, items)
+        except Exception as exc:  # the first stage failed: every caller in this batch gets the error
+            log.exception("%s batch of %d failed", self.name, len(batch))
+            self._fail(batch, exc, started)
+            return previous
+        if previous is not None:  # one batch at a time in `fn`, in order, and none piling up
+            await previous
+        second = self._loop.run_in_executor(self._executor, self.fn, items, prepared)
+        return self._loop.create_task(self._finish(batch, started, second), name=f"rmm-{self.name}-finish")
+
+    async def _finish(self, batch: list[_Entry[T, R]], started: float,
+                      call: asyncio.Future[Sequence[R | BaseException]]) -> None:
+        """Hand each caller its result (never raises: a failed call fails every caller in it)."""
+        try:
+            results = self._check_length(await call, len(batch))
         except Exception as exc:  # the whole call failed: every caller in it gets the error
             log.exception("%s batch of %d failed", self.name, len(batch))
-            for entry in batch:
-                if not entry.future.done():
-                    entry.future.set_exception(exc)
+            self._fail(batch, exc, started)
             return
-        finally:
-            self._report(len(batch), time.perf_counter() - started)
+        self._report(len(batch), time.perf_counter() - started)
         for entry, result in zip(batch, results):
             if entry.future.done():
                 continue
@@ -155,6 +211,12 @@ class MicroBatcher(Generic[T, R]):
                 entry.future.set_exception(result)
             else:
                 entry.future.set_result(result)
+
+    def _fail(self, batch: list[_Entry[T, R]], exc: Exception, started: float) -> None:
+        self._report(len(batch), time.perf_counter() - started)
+        for entry in batch:
+            if not entry.future.done():
+                entry.future.set_exception(exc)
 
     def _check_length(self, results: Sequence[R | BaseException], n: int) -> Sequence[R | BaseException]:
         if len(results) != n:
@@ -179,6 +241,7 @@ class MicroBatcher(Generic[T, R]):
                 await self._task
             finally:
                 self._task = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for executor in (self._prepare_executor, self._executor):
+            if executor is not None:
+                executor.shutdown(wait=True)
+        self._executor = self._prepare_executor = None

@@ -36,6 +36,8 @@ from torch import nn
 
 from rmm.errors import ConfigError
 from rmm.memory.bank import EncoderLike
+from rmm.serve.int8_linear import RowInt8Linear, int8_kernels, quantize_linears
+from rmm.serve.packed_bert import PackedInt8Bert, packable, unpack
 
 __all__ = ["QUERY_PRECISIONS", "Int8QueryEncoder", "RowInt8Linear", "quantize_linears", "query_encoder"]
 
@@ -43,51 +45,6 @@ log = logging.getLogger(__name__)
 
 QUERY_PRECISIONS = ("auto", "float32", "int8", "int8-onnx")
 PAD_MULTIPLE = 8  # queries are padded to a multiple of this many tokens (see Int8QueryEncoder.encode_queries)
-_TINY = 1e-12  # the smallest scale: an all-zero row stays zero instead of dividing by zero
-
-
-class RowInt8Linear(nn.Module):
-    """`nn.Linear` in int8: weights per output channel, each input row quantized with its own
-    scale (symmetric, ±127), an exact int32 matmul, then one float rescale per element."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp(min=_TINY) / 127.0
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).clamp(-127, 127)
-                             .to(torch.int8).T.contiguous())  # [in, out]: what _int_mm takes
-        self.register_buffer("weight_scale", scale)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()
-        scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=_TINY).div_(127.0)
-        quantized = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)
-        out = torch._int_mm(quantized, self.weight_int8).float().mul_(scale).mul_(self.weight_scale)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-
-
-def quantize_linears(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose linear layers run in int8 (`RowInt8Linear`)."""
-    copied = copy.deepcopy(model)
-    for module in list(copied.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):  # the encoder's oneDNN subclass too
-                setattr(module, name, RowInt8Linear(child))
-    return copied
-
-
-def int8_kernels() -> bool:
-    """Whether this torch has an int8 CPU matmul (`torch._int_mm` on CPU, torch >= 2.2)."""
-    try:
-        torch._int_mm(torch.ones(1, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
-    except (RuntimeError, AttributeError, NotImplementedError):
-        return False
-    return True
 
 
 class Int8QueryEncoder:
@@ -95,10 +52,13 @@ class Int8QueryEncoder:
     name, dimension and fingerprint are the float encoder's (the bank sees the same encoder).
 
     `engine` runs the int8 model: `torch` (`RowInt8Linear` layers) or `onnx` (the same scheme as
-    a cached ONNX graph in ONNX Runtime; raises `OnnxBackendError` when that cannot run).
+    a cached ONNX graph in ONNX Runtime; raises `OnnxBackendError` when that cannot run). With
+    `torch`, a plain BERT encoder (MiniLM, Contriever) runs packed — a micro-batch's tokens without
+    padding, one pass (`rmm.serve.packed_bert`); `packed=False` or any other model pads each query
+    to a multiple of `PAD_MULTIPLE` tokens instead.
     """
 
-    def __init__(self, encoder: Any, engine: str = "torch") -> None:
+    def __init__(self, encoder: Any, engine: str = "torch", *, packed: bool = True) -> None:
         if getattr(encoder, "device", torch.device("cpu")).type != "cpu":
             raise ConfigError("query_precision: int8 runs on the CPU; the encoder is on "
                               f"{encoder.device} (use float32 there)")
@@ -112,13 +72,16 @@ class Int8QueryEncoder:
             from rmm.encoders.onnx_backend import open_graph
 
             self._forward: Callable[[dict[str, torch.Tensor]], torch.Tensor] = open_graph(encoder, "int8-rows")
-        else:
+        self._packed: PackedInt8Bert | None = None
+        if engine == "torch" and packed and packable(encoder.model):
+            self._packed = PackedInt8Bert(encoder.model)
+        elif engine == "torch":
             self._queries.model = quantize_linears(encoder.model)
             self._forward = self._queries.embed
 
     @torch.inference_mode()
     def encode_queries(self, texts: list[str]) -> torch.Tensor:
-        """Each query padded to its own length rounded up to `PAD_MULTIPLE`, never to its batch's
+        """Packed (see the class), or each query padded to its own length rounded up to `PAD_MULTIPLE`, never to its batch's
         longest: queries of one padded length are encoded together, so a query sees the same
         numbers alone or in any micro-batch (the int8 matmul is exact; the float ops run per row
         and per sequence on the same shapes), and padding costs at most `PAD_MULTIPLE - 1` tokens."""
@@ -126,6 +89,9 @@ class Int8QueryEncoder:
         if not texts:
             return encoder.encode_queries(texts)
         sequences = encoder.tokenize(texts, encoder.config.query_prefix)
+        if self._packed is not None:
+            hidden, mask = unpack(self._packed(sequences), [len(s) for s in sequences])
+            return encoder.sentence_embeddings(hidden, mask).float()
         groups: dict[int, list[int]] = {}
         for i, sequence in enumerate(sequences):
             groups.setdefault(_padded_length(len(sequence), encoder.max_length), []).append(i)

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,11 +33,20 @@ from rmm.serve.records import RetrieveItem, RetrieveResult, ShownMemory
 from rmm.serve.tenants import callers_error, reranker_key, scoped, unknown_user
 from rmm.types import Candidates, Memory, Selection
 
-__all__ = ["BatchRetriever"]
+__all__ = ["BatchRetriever", "EncodedBatch"]
 
 log = logging.getLogger(__name__)
 
 Results = list[Any]  # per item: RetrieveResult, an Exception for that item alone, or None (not yet done)
+
+
+@dataclass
+class EncodedBatch:
+    """What `encode_batch` hands `finish_batch`: the unknown users' errors and the other queries'
+    vectors, by position in the batch."""
+
+    results: Results
+    vectors: dict[int, torch.Tensor]
 
 
 class BatchRetriever:
@@ -67,6 +77,11 @@ class BatchRetriever:
 
     def retrieve_batch(self, items: list[RetrieveItem]) -> list[RetrieveResult | Exception]:
         """Every query of the batch in one encode; per user one search; per reranker one select."""
+        return self.finish_batch(items, self.encode_batch(items))
+
+    def encode_batch(self, items: list[RetrieveItem]) -> EncodedBatch:
+        """The first stage: the queries of known users encoded in one call (the micro-batcher runs
+        it for the next batch while `finish_batch` runs for this one)."""
         results: Results = [None] * len(items)
         known = {user_id: self.bank.store.has_user(user_id)  # one look-up per user, not per query
                  for user_id in {scoped(item.tenant, item.user) for item in items}}
@@ -76,9 +91,14 @@ class BatchRetriever:
                 live.append(i)
             else:
                 results[i] = unknown_user(item.user)
-        if live:
-            vectors = self.encoder.encode_queries([items[i].query for i in live])
-            candidates = self._search(items, dict(zip(live, vectors)), results)
+        vectors = self.encoder.encode_queries([items[i].query for i in live]) if live else []
+        return EncodedBatch(results, dict(zip(live, vectors)))
+
+    def finish_batch(self, items: list[RetrieveItem], encoded: EncodedBatch) -> list[RetrieveResult | Exception]:
+        """The second stage: search, rerank and persist the encoded queries, in arrival order."""
+        results = list(encoded.results)
+        if encoded.vectors:
+            candidates = self._search(items, encoded.vectors, results)
             selections = self._select(items, candidates)
             self._answer(items, selections, results)
         return [r if r is not None else RuntimeError("query was not processed") for r in results]

@@ -51,7 +51,7 @@ from rmm.serve.records import (
     WriteItem,
 )
 from rmm.serve.reflection_jobs import SessionReflection
-from rmm.serve.retrieval import BatchRetriever
+from rmm.serve.retrieval import BatchRetriever, EncodedBatch
 from rmm.serve.tenants import ApiKeys, scoped, unscoped
 from rmm.types import Memory, Turn
 
@@ -224,6 +224,14 @@ class RetrievalService:
     # ---- retrieval and feedback ------------------------------------------------------------
     def retrieve_batch(self, items: list[RetrieveItem]) -> list[RetrieveResult | Exception]:
         return self.retriever.retrieve_batch(items)
+
+    def encode_retrievals(self, items: list[RetrieveItem]) -> EncodedBatch:
+        """A batch's first stage (`BatchRetriever.encode_batch`), for the pipelined batcher."""
+        return self.retriever.encode_batch(items)
+
+    def finish_retrievals(self, items: list[RetrieveItem], encoded: EncodedBatch) -> list[RetrieveResult | Exception]:
+        """A batch's second stage (`BatchRetriever.finish_batch`)."""
+        return self.retriever.finish_batch(items, encoded)
 
     def feedback(self, tenant: str, selection_id: str, *, cited: list[int] | None = None, text: str | None = None,
                  no_cite: bool = False, structured: bool = False) -> FeedbackResult:
