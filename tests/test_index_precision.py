@@ -1,4 +1,4 @@
-"""TorchIndex in half precision: same answers as float32 (exact re-score of a shortlist)."""
+"""TorchIndex in half precision or int8: same answers as float32 (exact re-score of a shortlist)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def unit(n: int, d: int, seed: int) -> torch.Tensor:
     return torch.nn.functional.normalize(torch.randn(n, d, generator=torch.Generator().manual_seed(seed)), dim=1)
 
 
-@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "int8"])
 def test_half_precision_search_matches_float32(precision: str) -> None:
     vectors, queries = unit(3000, 64, 0), unit(40, 64, 1)
     ids = [f"m{i}" for i in range(len(vectors))]
@@ -59,3 +59,26 @@ def test_precision_survives_save_and_load_and_is_checked(tmp_path: Path) -> None
         TorchIndex(8, precision="int4")
     with pytest.raises(ValueError, match="no options but 'precision'"):
         make_index("torch", 8, nprobe=4)
+
+
+def test_int8_scan_keeps_one_scale_per_row_through_growth_and_removal() -> None:
+    vectors = unit(300, 32, 6) * torch.linspace(0.1, 10, 300)[:, None]  # rows of very different norms
+    ids = [f"m{i}" for i in range(300)]
+    index = TorchIndex(32, device="cpu", precision="int8")
+    index.add(ids[:70], vectors[:70])
+    index.add(ids[70:], vectors[70:])  # grows the int8 rows and their scales
+    index.remove(ids[5:40:3])  # moves the last rows (and their scales) into the holes
+    kept = [i for i in range(300) if ids[i] in index]
+    rows = torch.tensor([index._rows[ids[i]] for i in kept])
+    dequantized = index._scan[rows].float() * index._scan_scale[rows].float()[:, None]
+    step = vectors[kept].abs().amax(dim=1, keepdim=True) / 127
+    assert bool(((dequantized - vectors[kept]).abs() <= 0.51 * step * 1.01).all())  # half a step, bf16 scale
+    queries = unit(5, 32, 7)
+    exact = TorchIndex(32, device="cpu")
+    exact.add([ids[i] for i in kept], vectors[kept])
+    assert index.search(queries, 10)[1] == exact.search(queries, 10)[1]
+
+
+def test_int8_needs_the_cpu_and_a_dimension_its_kernel_takes() -> None:
+    with pytest.raises(ValueError, match="divisible by 16"):
+        TorchIndex(24, device="cpu", precision="int8")

@@ -135,11 +135,14 @@ class ServeConfig:
     port: int = 8080
     encoder: str = "minilm"
     index_backend: str = "torch"
-    # float32 | bfloat16 | float16: the dtype the torch index scans (a shortlist is re-scored in float32)
+    # float32 | bfloat16 | float16 | int8 (CPU): the dtype the torch index scans (a shortlist is re-scored in float32)
     index_precision: str = "float32"
     device: str = "auto"
     torch_threads: int | None = None  # intra-op CPU threads (None: torch's default, one per core)
     query_precision: str = "auto"  # auto | float32 | int8 | int8-onnx: the query encoder's linears (rmm.serve.query_encoder)
+    # auto | on | off: queries encoded in a child process (rmm.serve.query_process); auto = on when the
+    # server loads its encoder itself (`encoder:`) onto the CPU
+    query_process: str = "auto"
     k: int = 20
     m: int = 5
     tau: float | None = None  # None: the recipe's (see `recipe`)
@@ -195,6 +198,8 @@ class ServeConfig:
             raise ConfigError(f"torch_threads must be >= 1 or null, got {self.torch_threads}")
         if self.query_precision not in QUERY_PRECISIONS:
             raise ConfigError(f"query_precision must be one of {list(QUERY_PRECISIONS)}, got {self.query_precision!r}")
+        if self.query_process not in ("auto", "on", "off"):
+            raise ConfigError(f"query_process must be auto, on or off, got {self.query_process!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.k < 1 or self.m < 1 or self.m > self.k:
@@ -227,6 +232,12 @@ class ServeConfig:
         if self.index_precision != "float32" and (self.index_backend != "torch" or self.store):
             raise ConfigError(f"index_precision {self.index_precision!r} is for the torch index of a bank folder "
                               f"(index_backend is {self.index_backend!r}{', store is a database' if self.store else ''})")
+        if self.index_precision == "int8":
+            from rmm.device import resolve_device
+
+            if resolve_device(self.device).type != "cpu":
+                raise ConfigError(f"index_precision 'int8' scans on the CPU; device {self.device!r} is not one "
+                                  "(use float16 or bfloat16 there)")
         if self.database:
             from rmm.memory.bank import DATABASE_OPTIONS
 

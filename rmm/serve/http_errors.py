@@ -27,6 +27,7 @@ from rmm.serve.batcher import BatcherClosedError
 from rmm.serve.errors import (
     BadRequestError,
     CorruptSelectionError,
+    EncoderUnavailableError,
     InvalidApiKeyError,
     MissingApiKeyError,
     NoOpenSessionError,
@@ -56,6 +57,7 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
     (DuplicateMemoryError, 409, "duplicate_memory"),
     (BadRequestError, 422, "bad_request"),
     (BatcherClosedError, 503, "shutting_down"),
+    (EncoderUnavailableError, 503, "encoder_unavailable"),
     # the database, not the request: a client may retry (before RmmError's 422 below catches them)
     (DatabasePoolExhaustedError, 503, "database_busy"),
     (DatabaseUnavailableError, 503, "database_unavailable"),

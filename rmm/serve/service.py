@@ -42,6 +42,7 @@ from rmm.serve.maintenance import Maintenance
 from rmm.serve.memories import UserMemories
 from rmm.serve.pending import Selections, SelectionStore
 from rmm.serve.query_encoder import query_encoder
+from rmm.serve.query_process import ProcessQueryEncoder, QueryProcessSpec
 from rmm.serve.records import (
     FeedbackResult,
     NewMemory,
@@ -88,11 +89,20 @@ class RetrievalService:
         self.api_keys = ApiKeys(config.auth)
         if config.torch_threads is not None:  # process-wide: the server owns its process
             torch.set_num_threads(config.torch_threads)
+        loads_encoder = encoder is None
         if encoder is None:
             from rmm.encoders import load_encoder
 
             encoder = load_encoder(config.encoder, device=config.device)
-        self.encoder = LockedEncoder(query_encoder(encoder, config.query_precision))
+        queries = query_encoder(encoder, config.query_precision)
+        self.query_process: ProcessQueryEncoder | None = None
+        on_cpu = getattr(encoder, "device", torch.device("cpu")).type == "cpu"
+        if config.query_process == "on" or (config.query_process == "auto" and loads_encoder and on_cpu):
+            if not loads_encoder or not on_cpu:
+                raise ConfigError("query_process: on needs the server to load its encoder (`encoder:`) onto the CPU")
+            queries = self.query_process = ProcessQueryEncoder(
+                queries, QueryProcessSpec(config.encoder, config.query_precision, config.torch_threads))
+        self.encoder = LockedEncoder(queries)
         path = config.bank_path
         self.bank = MemoryBank(config.store or path, self.encoder, index_backend=config.index_backend,
                                index_options=config.index_options, device=config.device)
@@ -183,6 +193,8 @@ class RetrievalService:
         try:
             self.checkpoint()
         finally:
+            if self.query_process is not None:
+                self.query_process.close()
             self.selections.close()
             self.sessions.close()
             self.bank.close()  # with a PostgreSQL store, also `self.db` (the store's handle)

@@ -1,0 +1,111 @@
+"""The query encoder in a child process: the same vectors as in-process, a clear error when the
+child dies (and a new child for the next call), refusals at start-up, and the server's wiring."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from fakes import BagOfWordsEncoder
+
+from rmm.errors import ConfigError
+from rmm.serve.errors import EncoderUnavailableError
+from rmm.serve.http_errors import error_response
+from rmm.serve.query_encoder import query_encoder
+from rmm.serve.query_process import ProcessQueryEncoder, QueryProcessSpec
+
+QUERIES = ["Where does she hike?", "Who bakes bread on Sundays with her sister?", "Dog?"]
+
+
+def tiny_bert_folder(folder: Path, minilm_path: Path, seed: int) -> Path:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64)).save_pretrained(folder)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (minilm_path / name).is_file():
+            shutil.copy(minilm_path / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("query_process")
+    return (tiny_bert_folder(root / "a", minilm_path, 0), tiny_bert_folder(root / "b", minilm_path, 1))
+
+
+def local_encoder(folder: Path):
+    from rmm.encoders import load_encoder
+
+    return query_encoder(load_encoder(str(folder), device="cpu"), "int8")
+
+
+def test_child_vectors_are_the_in_process_ones_and_a_dead_child_is_replaced(folders) -> None:
+    local = local_encoder(folders[0])
+    encoder = ProcessQueryEncoder(local, QueryProcessSpec(str(folders[0]), "int8", 1))
+    try:
+        assert torch.equal(encoder.encode_queries(QUERIES), local.encode_queries(QUERIES))
+        assert encoder.encode_queries([]).shape == (0, local.dim)
+        assert torch.equal(encoder.encode_passages(QUERIES), local.encode_passages(QUERIES))  # in-process
+        assert (encoder.name, encoder.dim, encoder.fingerprint) == (local.name, local.dim, local.fingerprint)
+        child = encoder._pool.submit(os.getpid).result()  # type: ignore[union-attr]
+        assert child != os.getpid()
+        os.kill(child, signal.SIGKILL)
+        with pytest.raises(EncoderUnavailableError, match="died"):
+            encoder.encode_queries(QUERIES)
+        assert torch.equal(encoder.encode_queries(QUERIES), local.encode_queries(QUERIES))  # a new child
+    finally:
+        encoder.close()
+    assert encoder._pool is None
+
+
+def test_a_child_with_another_encoder_or_none_is_refused(folders) -> None:
+    local = local_encoder(folders[0])
+    with pytest.raises(ConfigError, match="not the server's"):
+        ProcessQueryEncoder(local, QueryProcessSpec(str(folders[1]), "int8", 1))  # other weights
+    with pytest.raises(ConfigError, match="did not start"):
+        ProcessQueryEncoder(local, QueryProcessSpec(str(folders[0] / "missing"), "int8", 1))
+
+
+def test_a_dead_encoder_answers_503() -> None:
+    response = error_response(EncoderUnavailableError("the query encoder process died; retry the request"))
+    assert response.status_code == 503 and b'"code":"encoder_unavailable"' in response.body
+
+
+def test_the_server_encodes_queries_in_a_child_when_it_loads_its_encoder(tmp_path: Path, folders) -> None:
+    from rmm.serve.config import load_config
+    from rmm.serve.records import NewMemory, RetrieveItem
+    from rmm.serve.service import RetrievalService
+
+    def config(**overrides):
+        return load_config(None, {"bank": str(tmp_path / "bank"), "auth.keys": {"k" * 20: "alpha"}, "device": "cpu",
+                                  "encoder": str(folders[0]), **overrides}, environ={})
+
+    with pytest.raises(ConfigError, match="query_process must be"):
+        config(query_process="maybe")
+    service = RetrievalService(config(query_process="off"))
+    assert service.query_process is None
+    service.add_memories("alpha", "ana", [NewMemory(text=t) for t in QUERIES])
+    (expected,) = service.retrieve_batch([RetrieveItem("alpha", "ana", "bread", k=3, m=2, explore=False)])
+    service.close()
+
+    service = RetrievalService(config())  # auto: the server loads the encoder onto the CPU
+    try:
+        assert service.query_process is not None
+        (got,) = service.retrieve_batch([RetrieveItem("alpha", "ana", "bread", k=3, m=2, explore=False)])
+        assert [m.id for m in got.memories] == [m.id for m in expected.memories]
+        assert [m.score for m in got.memories] == [m.score for m in expected.memories]
+    finally:
+        service.close()
+    assert service.query_process._pool is None  # closed with the service
+
+    injected = RetrievalService(config(bank=str(tmp_path / "bank3")), encoder=BagOfWordsEncoder())  # in-process
+    assert injected.query_process is None
+    injected.close()
+    with pytest.raises(ConfigError, match="needs the server to load its encoder"):
+        RetrievalService(config(bank=str(tmp_path / "bank2"), query_process="on"), encoder=BagOfWordsEncoder())
