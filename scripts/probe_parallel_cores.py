@@ -24,10 +24,10 @@ def work(kind: str, seconds: float, out: mp.Queue) -> None:
     if kind == "int8 matmul":
         a = torch.randint(-127, 127, (256, 384), dtype=torch.int8)
         b = torch.randint(-127, 127, (384, 1536), dtype=torch.int8)
-        step = lambda: torch._int_mm(a, b)  # noqa: E731
+        step = lambda: torch._int_mm(a, b)
     elif kind == "float32 matmul":
         a, b = torch.randn(256, 384), torch.randn(384, 1536)
-        step = lambda: a @ b  # noqa: E731
+        step = lambda: a @ b
     else:
         def step() -> int:
             return sum(i * i % 7 for i in range(2000))
