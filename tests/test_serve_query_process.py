@@ -109,3 +109,39 @@ def test_the_server_encodes_queries_in_a_child_when_it_loads_its_encoder(tmp_pat
     injected.close()
     with pytest.raises(ConfigError, match="needs the server to load its encoder"):
         RetrievalService(config(bank=str(tmp_path / "bank2"), query_process="on"), encoder=BagOfWordsEncoder())
+
+
+def test_the_child_leaves_when_the_server_is_killed(tmp_path: Path, folders) -> None:
+    """`kill -9` of the server: its encoder process must not live on as an orphan."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from rmm.encoders import load_encoder\n"
+        "from rmm.serve.query_encoder import query_encoder\n"
+        "from rmm.serve.query_process import ProcessQueryEncoder, QueryProcessSpec\n"
+        "if __name__ == '__main__':\n"
+        f"    local = query_encoder(load_encoder({str(folders[0])!r}, device='cpu'), 'int8')\n"
+        f"    encoder = ProcessQueryEncoder(local, QueryProcessSpec({str(folders[0])!r}, 'int8', 1))\n"
+        "    print(encoder._pool.submit(os.getpid).result(), flush=True)\n"
+        "    time.sleep(600)\n")
+    server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        child = int(server.stdout.readline())  # type: ignore[union-attr]
+        os.kill(child, 0)  # alive
+    finally:
+        server.kill()
+        server.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the encoder process outlived its killed server")

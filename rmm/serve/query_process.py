@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ __all__ = ["ProcessQueryEncoder", "QueryProcessSpec"]
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 300.0  # importing torch and loading a model in a fresh interpreter
+_PARENT_POLL_S = 1.0  # how often the child checks that the server is still there
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,21 @@ _child_encoder: Any = None  # the child's encoder (set by `_load` in the child p
 def _load(spec: QueryProcessSpec) -> None:
     global _child_encoder
     logging.getLogger().setLevel(logging.WARNING)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="rmm-parent-watch", daemon=True).start()
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     from rmm.encoders import load_encoder
     from rmm.serve.query_encoder import query_encoder
 
     _child_encoder = query_encoder(load_encoder(spec.encoder, device="cpu", show_progress=False), spec.precision)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A server killed with `kill -9` cannot stop its child, and the child's end of the task queue
+    never reports the parent gone (it holds both ends): leave once re-parented."""
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(0)
 
 
 def _fingerprint() -> str:
