@@ -5,7 +5,9 @@ from __future__ import annotations
 import builtins
 import hashlib
 import re
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -122,3 +124,17 @@ def add_story(bank, user: str = "ana", *, refs: bool = True) -> None:
     bank.add(user, [Memory(id=key, user_id=user, kind="topic", text=text, refs=[f"t:{key}"] if refs else [],
                            time_span=("1 May 2023", "1 May 2023")) for key, text in FACTS.items()])
     bank.add(user, [Memory(id=f"e{i}", user_id=user, kind="topic", text=t) for i, t in enumerate(FILLER)])
+
+
+def write_tiny_bert(folder: Path, tokenizer_from: Path, *, seed: int = 0, heads: int = 2) -> Path:
+    """A 2-layer random BERT (hidden 32) with the tokenizer files of `tokenizer_from` (MiniLM's):
+    a real transformer encoder that loads in a second and runs in milliseconds."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=heads,
+                         intermediate_size=64, max_position_embeddings=64)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, folder / name)
+    return folder

@@ -3,11 +3,11 @@ query's vector independent of its micro-batch to the bit."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from fakes import write_tiny_bert
 
 from rmm.serve.int8_linear import quantize_linears
 from rmm.serve.packed_bert import PackedInt8Bert, packable, unpack
@@ -20,18 +20,9 @@ QUERIES = ["Hi", "Where does she hike?", "Which instrument does Ana play in the 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path):
     """A 2-layer random BERT with MiniLM's tokenizer, loaded as an rmm encoder."""
-    from transformers import BertConfig, BertModel
-
     from rmm.encoders import load_encoder
 
-    folder = tmp_path_factory.mktemp("tiny_bert")
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=64, max_position_embeddings=64)).save_pretrained(folder)
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (minilm_path / name).is_file():
-            shutil.copy(minilm_path / name, folder / name)
-    return load_encoder(str(folder), device="cpu")
+    return load_encoder(str(write_tiny_bert(tmp_path_factory.mktemp("tiny_bert"), minilm_path, heads=4)), device="cpu")
 
 
 def test_packed_forward_is_the_hugging_face_forward_with_the_same_int8_layers(tiny_bert) -> None:

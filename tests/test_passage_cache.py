@@ -4,11 +4,11 @@ prefix), and merges re-encoded in one call."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from fakes import write_tiny_bert
 
 from rmm.encoders import Encoder, EncoderConfig
 from rmm.encoders.passage_cache import PassageCache, attach_cache, token_key
@@ -24,16 +24,7 @@ TEXTS = ["hi", "Caroline: I went to the LGBTQ support group yesterday and it was
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> Path:
     """A 2-layer random BERT with MiniLM's tokenizer (fast, deterministic)."""
-    from transformers import BertConfig, BertModel
-
-    folder = tmp_path_factory.mktemp("tiny_bert")
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=64)).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        if (minilm_path / name).is_file():
-            shutil.copy(minilm_path / name, folder / name)
-    return folder
+    return write_tiny_bert(tmp_path_factory.mktemp("tiny_bert"), minilm_path)
 
 
 def _encoder(folder: Path, query_prefix: str = "", **options: object) -> Encoder:

@@ -267,33 +267,23 @@ def test_the_next_batch_prepares_while_this_one_finishes_in_order() -> None:
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
 
 
-def test_a_backlog_is_split_in_halves_when_the_second_stage_is_idle() -> None:
+@pytest.mark.parametrize(("items", "batches"), [
+    (32, [16, 16]),  # a backlog is split in halves when the second stage is idle
+    (10, [10]),  # below 2 * MIN_SPLIT it is not
+])
+def test_a_backlog_is_split_in_halves_when_the_second_stage_is_idle(items: int, batches: list[int]) -> None:
     stages = Stages(finish_delay=0.05)
 
     async def main() -> None:
         batcher = MicroBatcher(stages.finish, prepare=stages.prepare, max_batch=64, max_wait_ms=20)
         try:
-            await asyncio.gather(*(batcher.submit(i) for i in range(32)))
+            await asyncio.gather(*(batcher.submit(i) for i in range(items)))
         finally:
             await batcher.close()
 
     run(main())
-    assert [len(b) for b in stages.finished] == [16, 16]
-    assert [i for b in stages.finished for i in b] == list(range(32))
-
-
-def test_a_small_backlog_is_not_split() -> None:
-    stages = Stages()
-
-    async def main() -> None:
-        batcher = MicroBatcher(stages.finish, prepare=stages.prepare, max_batch=64, max_wait_ms=20)
-        try:
-            await asyncio.gather(*(batcher.submit(i) for i in range(10)))
-        finally:
-            await batcher.close()
-
-    run(main())
-    assert stages.finished == [list(range(10))]
+    assert [len(b) for b in stages.finished] == batches
+    assert [i for b in stages.finished for i in b] == list(range(items))
 
 
 def test_a_failed_first_stage_fails_only_its_batch() -> None:

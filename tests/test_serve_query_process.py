@@ -4,13 +4,12 @@ child dies (and a new child for the next call), refusals at start-up, and the se
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
-from fakes import BagOfWordsEncoder
+from fakes import BagOfWordsEncoder, write_tiny_bert
 
 from rmm.errors import ConfigError
 from rmm.serve.errors import EncoderUnavailableError
@@ -21,22 +20,10 @@ from rmm.serve.query_process import ProcessQueryEncoder, QueryProcessSpec
 QUERIES = ["Where does she hike?", "Who bakes bread on Sundays with her sister?", "Dog?"]
 
 
-def tiny_bert_folder(folder: Path, minilm_path: Path, seed: int) -> Path:
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(seed)
-    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=64, max_position_embeddings=64)).save_pretrained(folder)
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (minilm_path / name).is_file():
-            shutil.copy(minilm_path / name, folder / name)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("query_process")
-    return (tiny_bert_folder(root / "a", minilm_path, 0), tiny_bert_folder(root / "b", minilm_path, 1))
+    return (write_tiny_bert(root / "a", minilm_path, heads=4), write_tiny_bert(root / "b", minilm_path, seed=1, heads=4))
 
 
 def local_encoder(folder: Path):
