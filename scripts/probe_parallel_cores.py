@@ -7,6 +7,10 @@ process that runs at the first one's speed means a second core for that kind of 
 halves both means the cores share it (SMT siblings, or a host that gives the machine less than it
 shows). Prints each kind's throughput with two processes relative to one.
 
+Then the GIL: 300 small torch ops in one thread, alone and beside a thread running pure Python.
+Each op hands the GIL back and takes it again, so beside a thread that holds it they crawl — why
+the server encodes queries in a child process (`rmm.serve.query_process`).
+
     python scripts/probe_parallel_cores.py
 """
 
@@ -57,8 +61,46 @@ def main() -> int:
     for kind in ("int8 matmul", "float32 matmul", "pure Python"):
         one, two = rate(kind, 1, seconds), rate(kind, 2, seconds)
         print(f"{kind:>15}: two processes do {two / one:.2f}x the work of one")
+    alone, beside = gil_probe()
+    print(f"300 small torch ops: {alone:.1f} ms alone, {beside:.1f} ms beside a pure-Python thread "
+          f"({beside / alone:.0f}x)")
     print(f"load average {os.getloadavg()[0]:.1f}")
     return 0
+
+
+def gil_probe() -> tuple[float, float]:
+    """Milliseconds for 300 GELU-and-scale ops on a [64, 384] tensor, alone and beside a busy thread."""
+    import threading
+
+    import torch
+
+    torch.set_num_threads(1)
+    x = torch.randn(64, 384)
+
+    def ops() -> float:
+        y, start = x, time.perf_counter()
+        for _ in range(300):
+            y = torch.nn.functional.gelu(y) * 0.5 + 0.1
+        return 1000 * (time.perf_counter() - start)
+
+    ops()
+    alone = ops()
+    stop = threading.Event()
+
+    def busy() -> None:
+        total = 0
+        while not stop.is_set():
+            for i in range(1000):
+                total += i
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    try:
+        beside = ops()
+    finally:
+        stop.set()
+        thread.join()
+    return alone, beside
 
 
 if __name__ == "__main__":
