@@ -78,10 +78,12 @@ def create_app(config: ServeConfig, *, service: RetrievalService | None = None, 
         try:
             yield
         finally:
-            await retrievals.close()
-            await writes.close()
-            await asyncio.to_thread(service.close)
-            gc.unfreeze()  # an app embedded in a longer-lived process hands them back
+            try:
+                await retrievals.close()
+                await writes.close()
+                await asyncio.to_thread(service.close)
+            finally:
+                gc.unfreeze()  # an app embedded in a longer-lived process hands them back
             log.info("rmm serve stopped; rerankers checkpointed")
 
     app = FastAPI(title="rmm retrieval server", version=API_VERSION, lifespan=lifespan,

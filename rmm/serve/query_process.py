@@ -85,7 +85,8 @@ def _encode(texts: list[str]) -> np.ndarray:
 
 class ProcessQueryEncoder:
     """`encode_queries` in a child process; passages, name, dimension and fingerprint from the
-    server's in-process encoder `local` (which the child's must match)."""
+    server's in-process encoder `local` (which the child's must match: a query path shares its
+    float encoder's fingerprint, so `local` may be the float encoder itself)."""
 
     def __init__(self, local: EncoderLike, spec: QueryProcessSpec) -> None:
         self.inner = local

@@ -94,15 +94,18 @@ class RetrievalService:
             from rmm.encoders import load_encoder
 
             encoder = load_encoder(config.encoder, device=config.device)
-        queries = query_encoder(encoder, config.query_precision)
         self.query_process: ProcessQueryEncoder | None = None
         on_cpu = getattr(encoder, "device", torch.device("cpu")).type == "cpu"
         if config.query_process == "on" or (config.query_process == "auto" and loads_encoder and on_cpu):
             if not loads_encoder or not on_cpu:
                 raise ConfigError("query_process: on needs the server to load its encoder (`encoder:`) onto the CPU")
-            queries = self.query_process = ProcessQueryEncoder(
-                queries, QueryProcessSpec(config.encoder, config.query_precision, config.torch_threads))
-        self.encoder = LockedEncoder(queries)
+            # the child builds the query path (`query_precision`); this process keeps the float
+            # encoder for passages
+            self.query_process = ProcessQueryEncoder(
+                encoder, QueryProcessSpec(config.encoder, config.query_precision, config.torch_threads))
+            self.encoder = LockedEncoder(self.query_process)
+        else:
+            self.encoder = LockedEncoder(query_encoder(encoder, config.query_precision))
         path = config.bank_path
         self.bank = MemoryBank(config.store or path, self.encoder, index_backend=config.index_backend,
                                index_options=config.index_options, device=config.device)
