@@ -46,6 +46,12 @@ def test_child_vectors_are_the_in_process_ones_and_a_dead_child_is_replaced(fold
         with pytest.raises(EncoderUnavailableError, match="died"):
             encoder.encode_queries(QUERIES)
         assert torch.equal(encoder.encode_queries(QUERIES), local.encode_queries(QUERIES))  # a new child
+        os.kill(encoder._pool.submit(os.getpid).result(), signal.SIGKILL)  # type: ignore[union-attr]
+        with pytest.raises(EncoderUnavailableError, match="died"):
+            encoder.encode_queries(QUERIES)
+        encoder.spec = QueryProcessSpec(str(folders[0] / "missing"), "int8", 1)  # the restart cannot load
+        with pytest.raises(EncoderUnavailableError, match="could not be restarted"):  # 503, not a 422
+            encoder.encode_queries(QUERIES)
     finally:
         encoder.close()
     assert encoder._pool is None

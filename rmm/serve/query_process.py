@@ -118,7 +118,10 @@ class ProcessQueryEncoder:
     def encode_queries(self, texts: list[str]) -> torch.Tensor:
         if not texts:
             return torch.empty(0, self.dim)
-        pool = self._start()
+        try:
+            pool = self._start()
+        except ConfigError as err:  # a restart after the child died: the server's failure, not the request's
+            raise EncoderUnavailableError(f"the query encoder process could not be restarted: {err}") from err
         try:
             return torch.from_numpy(pool.submit(_encode, list(texts)).result())
         except BrokenProcessPool as err:
