@@ -75,6 +75,8 @@ class Row:
     server_cpu_ms: float  # server CPU time per request (all its threads and child processes)
     client_cpu_ms: float  # the load generator's CPU time per request (this process)
     client_cpu_share: float  # the load generator's CPU seconds per second: the cores it took from the server
+    prepare_busy: float  # share of the run the first stage (query encoding) was working
+    finish_busy: float  # share of the run the second stage (search, rerank, store) was working
 
 
 def build_bank(bank: Path, data_dir: str | None, conversations: int | None) -> list[tuple[str, str]]:
@@ -156,11 +158,17 @@ def server_threads(url: str) -> str:
     return str(health.get("torch_threads", "?"))
 
 
-def batch_totals(url: str) -> tuple[float, float]:
+def batch_totals(url: str) -> tuple[float, float, float, float]:
+    """(queries batched, batches, prepare-stage seconds, finish-stage seconds) so far."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = re.search(r"^rmm_batch_size_sum ([0-9.e+]+)$", text, re.MULTILINE)
-    count = re.search(r"^rmm_batch_size_count ([0-9.e+]+)$", text, re.MULTILINE)
-    return (float(total.group(1)) if total else 0.0), (float(count.group(1)) if count else 0.0)
+
+    def value(pattern: str) -> float:
+        found = re.search(rf"^{pattern} ([0-9.e+]+)$", text, re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+    return (value("rmm_batch_size_sum"), value("rmm_batch_size_count"),
+            value(r'rmm_batch_stage_seconds_sum\{stage="prepare"\}'),
+            value(r'rmm_batch_stage_seconds_sum\{stage="finish"\}'))
 
 
 class Connection:
@@ -419,12 +427,15 @@ def main() -> int:
                               mean_batch=(after[0] - before[0]) / batches if batches else float("nan"),
                               errors=errors, load_avg=os.getloadavg()[0],
                               server_cpu_ms=1000 * (cpu_after - cpu_before) / max(1, sent),
-                              client_cpu_ms=1000 * client_cpu / max(1, sent), client_cpu_share=client_cpu / elapsed)
+                              client_cpu_ms=1000 * client_cpu / max(1, sent), client_cpu_share=client_cpu / elapsed,
+                              prepare_busy=(after[2] - before[2]) / elapsed, finish_busy=(after[3] - before[3]) / elapsed)
                     rows.append(row)
                     print(f"  batching {mode:3s} clients {clients:3d}: {row.req_per_s:7.1f} req/s  "
                           f"p50 {row.p50_ms:7.1f} ms  p90 {row.p90_ms:7.1f} ms  p99 {row.p99_ms:7.1f} ms  max {row.max_ms:7.1f} ms  batch {row.mean_batch:5.1f}  "
                           f"server CPU {row.server_cpu_ms:5.1f} ms/req  client CPU {row.client_cpu_ms:4.2f} ms/req "
-                          f"({100 * row.client_cpu_share:.0f}% of a core)  errors {errors}  load {row.load_avg:.1f}",
+                          f"({100 * row.client_cpu_share:.0f}% of a core)  stages busy {100 * row.prepare_busy:.0f}% "
+                          f"encode / {100 * row.finish_busy:.0f}% search+rerank+store  errors {errors}  "
+                          f"load {row.load_avg:.1f}",
                           flush=True)
             finally:
                 proc.terminate()
@@ -435,12 +446,12 @@ def main() -> int:
 
     print()
     print("| clients | batching | max_batch | max_wait_ms | req/s | p50 ms | p90 ms | p99 ms | max ms | mean batch "
-          "| server CPU ms/req | client CPU ms/req | errors | load |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| server CPU ms/req | client CPU ms/req | busy: encode / search+rerank+store | errors | load |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r.clients} | {r.batching} | {r.max_batch} | {r.max_wait_ms:g} | {r.req_per_s:.1f} | "
               f"{r.p50_ms:.1f} | {r.p90_ms:.1f} | {r.p99_ms:.1f} | {r.max_ms:.1f} | {r.mean_batch:.1f} | {r.server_cpu_ms:.1f} | {r.client_cpu_ms:.2f} | "
-              f"{r.errors} | "
+              f"{100 * r.prepare_busy:.0f}% / {100 * r.finish_busy:.0f}% | {r.errors} | "
               f"{r.load_avg:.1f} |")
     on = {r.clients: r for r in rows if r.batching == "on"}
     off = {r.clients: r for r in rows if r.batching == "off"}

@@ -267,6 +267,28 @@ def test_the_next_batch_prepares_while_this_one_finishes_in_order() -> None:
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
 
 
+def test_batch_seconds_count_each_batchs_own_work_not_the_wait_between_stages() -> None:
+    stages = Stages(prepare_delay=0.02, finish_delay=0.15)
+    reported: list[float] = []
+    by_stage: dict[str, list[float]] = {"prepare": [], "finish": []}
+
+    async def main() -> None:
+        batcher = MicroBatcher(stages.finish, prepare=stages.prepare, max_batch=4, max_wait_ms=0,
+                               on_batch=lambda size, seconds: reported.append(seconds),
+                               on_stage=lambda stage, seconds: by_stage[stage].append(seconds))
+        try:
+            await batcher.submit_many(list(range(12)))
+        finally:
+            await batcher.close()
+
+    run(main())
+    # batches 2 and 3 were prepared long before batch 1's second stage let them in (0.15 s each):
+    # counted from their prepare's start they would report ~0.3 s
+    assert len(reported) == 3 and all(0.16 <= s < 0.25 for s in reported), reported
+    assert len(by_stage["prepare"]) == len(by_stage["finish"]) == 3
+    assert all(0.02 <= s < 0.1 for s in by_stage["prepare"]) and all(0.15 <= s < 0.23 for s in by_stage["finish"])
+
+
 @pytest.mark.parametrize(("items", "batches"), [
     (32, [16, 16]),  # a backlog is split in halves when the second stage is idle
     (10, [10]),  # below 2 * MIN_SPLIT it is not

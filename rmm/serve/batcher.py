@@ -53,14 +53,17 @@ class _Entry(Generic[T, R]):
 class MicroBatcher(Generic[T, R]):
     """Coalesce items up to `max_batch`, waiting at most `max_wait_ms` for the batch to fill.
 
-    `on_batch(size, seconds)` is called after every call of `fn` (metrics; seconds from the start
-    of `prepare`, when there is one). The batcher binds to the event loop of its first `submit`, so
-    it can be built outside any loop.
+    `on_batch(size, seconds)` is called after every call of `fn` (metrics): `seconds` is the
+    batch's own work, `prepare` plus `fn`, not the time it waited for the previous batch's `fn`;
+    `on_stage(stage, seconds)` reports each stage's work apart ("prepare", "finish"), so an
+    operator sees which stage bounds the throughput. The batcher binds to the event loop of its
+    first `submit`, so it can be built outside any loop.
     """
 
     def __init__(self, fn: Callable[..., Sequence[R | BaseException]], *, max_batch: int = 64,
                  max_wait_ms: float = 5.0, enabled: bool = True, name: str = "batch",
                  on_batch: Callable[[int, float], None] | None = None,
+                 on_stage: Callable[[str, float], None] | None = None,
                  prepare: Callable[[list[T]], Any] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -73,6 +76,7 @@ class MicroBatcher(Generic[T, R]):
         self.enabled = enabled
         self.name = name
         self.on_batch = on_batch
+        self.on_stage = on_stage
         self._pending: deque[_Entry[T, R]] = deque()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -104,9 +108,8 @@ class MicroBatcher(Generic[T, R]):
 
     async def _run_unbatched(self, items: list[T]) -> list[R]:
         loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        results = await loop.run_in_executor(None, self._call, items)
-        self._report(len(items), time.perf_counter() - started)
+        results, seconds = await loop.run_in_executor(None, self._call, items)
+        self._report(len(items), seconds)
         out: list[R] = []
         for result in self._check_length(results, len(items)):
             if isinstance(result, BaseException):
@@ -114,9 +117,22 @@ class MicroBatcher(Generic[T, R]):
             out.append(result)
         return out
 
-    def _call(self, items: list[T]) -> Sequence[R | BaseException]:
-        """Both stages in the calling thread (the unbatched baseline)."""
-        return self.fn(items) if self.prepare is None else self.fn(items, self.prepare(items))
+    def _call(self, items: list[T]) -> tuple[Sequence[R | BaseException], float]:
+        """Both stages in the calling thread (the unbatched baseline), and their work in seconds."""
+        if self.prepare is None:
+            return self._timed("finish", self.fn, items)
+        prepared, seconds = self._timed("prepare", self.prepare, items)
+        results, more = self._timed("finish", self.fn, items, prepared)
+        return results, seconds + more
+
+    def _timed(self, stage: str, call: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """`call(*args)` and its seconds (run in the worker thread, so queueing is not counted)."""
+        started = time.perf_counter()
+        try:
+            return call(*args), time.perf_counter() - started
+        finally:
+            if self.on_stage is not None:
+                self._guarded(self.on_stage, stage, time.perf_counter() - started)
 
     # ---- the collecting loop -------------------------------------------------------------
     def _ensure_started(self) -> None:
@@ -178,32 +194,34 @@ class MicroBatcher(Generic[T, R]):
                         previous: asyncio.Task[None] | None) -> asyncio.Task[None] | None:
         """Run `batch`; with `prepare`, return its second stage still running (after `previous`)."""
         assert self._loop is not None
-        started = time.perf_counter()
         items = [e.item for e in batch]
         if self.prepare is None:
-            await self._finish(batch, started, self._loop.run_in_executor(self._executor, self.fn, items))
+            await self._finish(batch, 0.0, self._loop.run_in_executor(self._executor, self._timed, "finish",
+                                                                        self.fn, items))
             return None
         try:
-            prepared = await self._loop.run_in_executor(self._prepare_executor, self.prepare, items)
+            prepared, prepare_seconds = await self._loop.run_in_executor(
+                self._prepare_executor, self._timed, "prepare", self.prepare, items)
         except Exception as exc:  # the first stage failed: every caller in this batch gets the error
             log.exception("%s batch of %d failed", self.name, len(batch))
-            self._fail(batch, exc, started)
+            self._fail(batch, exc)
             return previous
         if previous is not None:  # one batch at a time in `fn`, in order, and none piling up
             await previous
-        second = self._loop.run_in_executor(self._executor, self.fn, items, prepared)
-        return self._loop.create_task(self._finish(batch, started, second), name=f"rmm-{self.name}-finish")
+        second = self._loop.run_in_executor(self._executor, self._timed, "finish", self.fn, items, prepared)
+        return self._loop.create_task(self._finish(batch, prepare_seconds, second), name=f"rmm-{self.name}-finish")
 
-    async def _finish(self, batch: list[_Entry[T, R]], started: float,
-                      call: asyncio.Future[Sequence[R | BaseException]]) -> None:
+    async def _finish(self, batch: list[_Entry[T, R]], prepare_seconds: float,
+                      call: asyncio.Future[tuple[Sequence[R | BaseException], float]]) -> None:
         """Hand each caller its result (never raises: a failed call fails every caller in it)."""
         try:
-            results = self._check_length(await call, len(batch))
+            results, seconds = await call
+            results = self._check_length(results, len(batch))
         except Exception as exc:  # the whole call failed: every caller in it gets the error
             log.exception("%s batch of %d failed", self.name, len(batch))
-            self._fail(batch, exc, started)
+            self._fail(batch, exc)
             return
-        self._report(len(batch), time.perf_counter() - started)
+        self._report(len(batch), prepare_seconds + seconds)
         for entry, result in zip(batch, results):
             if entry.future.done():
                 continue
@@ -212,8 +230,7 @@ class MicroBatcher(Generic[T, R]):
             else:
                 entry.future.set_result(result)
 
-    def _fail(self, batch: list[_Entry[T, R]], exc: Exception, started: float) -> None:
-        self._report(len(batch), time.perf_counter() - started)
+    def _fail(self, batch: list[_Entry[T, R]], exc: Exception) -> None:
         for entry in batch:
             if not entry.future.done():
                 entry.future.set_exception(exc)
@@ -225,10 +242,14 @@ class MicroBatcher(Generic[T, R]):
 
     def _report(self, size: int, seconds: float) -> None:
         if self.on_batch is not None:
-            try:
-                self.on_batch(size, seconds)
-            except Exception:  # metrics must never fail a request
-                log.exception("on_batch callback failed")
+            self._guarded(self.on_batch, size, seconds)
+
+    @staticmethod
+    def _guarded(callback: Callable[..., None], *args: Any) -> None:
+        try:
+            callback(*args)
+        except Exception:  # metrics must never fail a request
+            log.exception("metrics callback %r failed", callback)
 
     # ---- shutdown ------------------------------------------------------------------------
     async def close(self) -> None:

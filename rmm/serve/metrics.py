@@ -35,8 +35,11 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS)
         self.batch_size = Histogram("rmm_batch_size", "queries per batched retrieval call", registry=r,
                                     buckets=BATCH_SIZE_BUCKETS)
-        self.batch_seconds = Histogram("rmm_batch_seconds", "time of one batched retrieval call", registry=r,
-                                       buckets=LATENCY_BUCKETS[:-2])
+        self.batch_seconds = Histogram("rmm_batch_seconds", "work of one batched retrieval call (both stages, "
+                                       "not the wait between them)", registry=r, buckets=LATENCY_BUCKETS[:-2])
+        self.stage_seconds = Histogram("rmm_batch_stage_seconds", "work of one stage of a batched retrieval call "
+                                       "(prepare: encode the queries; finish: search, rerank, store)", ["stage"],
+                                       registry=r, buckets=LATENCY_BUCKETS[:-2])
         self.queries = Counter("rmm_retrieve_queries", "retrieve queries answered", registry=r)
         self.feedback = Counter("rmm_feedback", "feedback received", ["outcome"], registry=r)
         self.updates = Counter("rmm_learner_updates", "reranker optimizer steps from feedback", registry=r)
@@ -47,6 +50,10 @@ class Metrics:
         """The retrieve batcher's report of one batched call."""
         self.batch_size.observe(size)
         self.batch_seconds.observe(seconds)
+
+    def on_stage(self, stage: str, seconds: float) -> None:
+        """One stage's work for one batch (its sum over time / wall time = how busy that stage is)."""
+        self.stage_seconds.labels(stage=stage).observe(seconds)
 
 
 class ServiceCollector:
