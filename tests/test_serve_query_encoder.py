@@ -77,3 +77,20 @@ def test_row_int8_linear_is_close_to_float_and_rowwise() -> None:
     assert torch.nn.functional.cosine_similarity(exact.reshape(-1, 32), approx.reshape(-1, 32)).min() > 0.999
     assert torch.equal(quantized(x[1:2, 3:4]), approx[1:2, 3:4])  # a row's output ignores the other rows
     assert torch.equal(quantized(torch.zeros(2, 64)), linear.bias.detach().expand(2, 32))  # zero rows: no 0/0
+
+
+def test_row_int8_linear_kernels_agree_to_the_bit_at_every_batch_size() -> None:
+    """Rows below PACKED_MIN_ROWS take torch._int_mm, more take oneDNN's prepacked kernel: a query
+    alone and the same query in a micro-batch must still get the same floats."""
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(384, 96)
+    quantized = RowInt8Linear(linear)
+    if quantized._packed is None:
+        pytest.skip("this torch has no oneDNN int8 kernel (torch._int_mm path only)")
+    x = torch.randn(300, 384) * torch.rand(300, 1) * 4
+    alone = torch.cat([quantized(x[i:i + 1]) for i in range(len(x))])  # one row: torch._int_mm
+    for rows in (2, 3, 7, 16, 31, 32, 33, 64, 129, 300):  # oneDNN picks kernels by shape: none may change a row
+        assert torch.equal(quantized(x[:rows]), alone[:rows]), rows
+    fallback = RowInt8Linear(linear)
+    fallback._packed = None  # torch._int_mm for every batch
+    assert torch.equal(fallback(x), alone)

@@ -4,8 +4,16 @@ int8 query path (`rmm.serve.query_encoder`, `rmm.serve.packed_bert`).
 Activations are quantized *per token* (one scale per row), not per tensor as torch's dynamic
 quantization does: with one scale for the whole input, a query's embedding depended on the other
 queries of its micro-batch and on their padding, so a request's ranking changed with whoever else
-was asking. With a scale per row the integer matmul (`torch._int_mm`, exact) sees the same numbers
-for a row whatever else is in the batch.
+was asking. With a scale per row the integer matmul (exact) sees the same numbers for a row
+whatever else is in the batch.
+
+The matmul runs on oneDNN's prepacked int8 kernel where torch has it (`onednn::qlinear_pointwise`,
+the op torch's own x86 quantization lowers to; AMX/VNNI instead of `torch._int_mm`, which re-lays
+out the weight on every call): told that the input scale is 1, it returns the exact int32 products
+times each output channel's scale — the same floats as `torch._int_mm`'s products rescaled, to the
+bit — and the row scale and bias follow in one `addcmul`: a micro-batch of 16 queries encodes in
+about 1.25x less time, while a lone query's handful of rows is faster through `torch._int_mm`
+(`PACKED_MIN_ROWS`). A row's result is the same on either path and never depends on the other rows.
 """
 
 from __future__ import annotations
@@ -18,6 +26,26 @@ from torch import nn
 __all__ = ["RowInt8Linear", "int8_kernels", "quantize_linears"]
 
 _TINY = 1e-12  # the smallest scale: an all-zero row stays zero instead of dividing by zero
+PACKED_MIN_ROWS = 32  # fewer rows (one short query's tokens) go through torch._int_mm: less call overhead
+
+
+def _prepacked(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` ([out, in] int8) laid out once for oneDNN's int8 matmul, or None where this torch
+    has no such kernel (then `torch._int_mm` runs)."""
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(weight, None)
+        _packed_matmul(torch.zeros(1, weight.shape[1], dtype=torch.int8), packed,
+                       torch.ones(weight.shape[0]), torch.zeros(weight.shape[0], dtype=torch.long))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+    return packed
+
+
+def _packed_matmul(rows: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
+                   zero_points: torch.Tensor) -> torch.Tensor:
+    """int8 `rows` · prepacked int8 weight → float32 products times each output channel's scale."""
+    return torch.ops.onednn.qlinear_pointwise(rows, 1.0, 0, packed, weight_scale, zero_points, None, 1.0, 0,
+                                             torch.float32, "none", [], "")
 
 
 class RowInt8Linear(nn.Module):
@@ -33,14 +61,24 @@ class RowInt8Linear(nn.Module):
                              .to(torch.int8).T.contiguous())  # [in, out]: what _int_mm takes
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        # not buffers: an opaque oneDNN layout (rebuilt from `weight_int8` by `prepack()`)
+        self._packed: torch.Tensor | None = None
+        self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        self.prepack()
+
+    def prepack(self) -> None:
+        """Lay the weight out for oneDNN's kernel (after building or after moving the buffers)."""
+        self._packed = _prepacked(self.weight_int8.T.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=_TINY).div_(127.0)
         quantized = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)
-        out = torch._int_mm(quantized, self.weight_int8).float().mul_(scale).mul_(self.weight_scale)
-        if self.bias is not None:
-            out.add_(self.bias)
+        if self._packed is not None and len(rows) >= PACKED_MIN_ROWS:
+            out = _packed_matmul(quantized, self._packed, self.weight_scale, self._zero_points)
+        else:
+            out = torch._int_mm(quantized, self.weight_int8).float().mul_(self.weight_scale)
+        out = out.mul_(scale) if self.bias is None else torch.addcmul(self.bias, out, scale)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
