@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,16 @@ def local_encoder(folder: Path):
     return query_encoder(load_encoder(str(folder), device="cpu"), "int8")
 
 
+def kill_child(encoder: ProcessQueryEncoder) -> int:
+    """SIGKILL the encoder's child and wait until it is gone; its pid."""
+    child = encoder._child
+    assert child is not None and child.pid is not None
+    os.kill(child.pid, signal.SIGKILL)
+    child.process.join(10)
+    assert not child.process.is_alive()
+    return child.pid
+
+
 def test_child_vectors_are_the_in_process_ones_and_a_dead_child_is_replaced(folders) -> None:
     local = local_encoder(folders[0])
     encoder = ProcessQueryEncoder(local, QueryProcessSpec(str(folders[0]), "int8", 1))
@@ -40,21 +52,79 @@ def test_child_vectors_are_the_in_process_ones_and_a_dead_child_is_replaced(fold
         assert encoder.encode_queries([]).shape == (0, local.dim)
         assert torch.equal(encoder.encode_passages(QUERIES), local.encode_passages(QUERIES))  # in-process
         assert (encoder.name, encoder.dim, encoder.fingerprint) == (local.name, local.dim, local.fingerprint)
-        child = encoder._pool.submit(os.getpid).result()  # type: ignore[union-attr]
-        assert child != os.getpid()
-        os.kill(child, signal.SIGKILL)
-        with pytest.raises(EncoderUnavailableError, match="died"):
-            encoder.encode_queries(QUERIES)
+        child = encoder.child_pid
+        assert child is not None and child != os.getpid()
+        # died while idle: the next call starts a new child and succeeds
+        kill_child(encoder)
+        assert torch.equal(encoder.encode_queries(QUERIES), local.encode_queries(QUERIES))
+        assert encoder.child_pid not in (None, child)
+        # dies during a call: that call answers 503, the next one gets a new child
+        outcome: list[BaseException] = []
+
+        def long_call() -> None:
+            try:
+                encoder.encode_queries(["x"] * 200_000)  # seconds of work for the child
+            except BaseException as err:  # noqa: BLE001 - the test inspects it
+                outcome.append(err)
+
+        caller = threading.Thread(target=long_call)
+        caller.start()
+        time.sleep(0.5)
+        kill_child(encoder)
+        caller.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], EncoderUnavailableError) and "died" in str(outcome[0])
         assert torch.equal(encoder.encode_queries(QUERIES), local.encode_queries(QUERIES))  # a new child
-        os.kill(encoder._pool.submit(os.getpid).result(), signal.SIGKILL)  # type: ignore[union-attr]
-        with pytest.raises(EncoderUnavailableError, match="died"):
-            encoder.encode_queries(QUERIES)
         encoder.spec = QueryProcessSpec(str(folders[0] / "missing"), "int8", 1)  # the restart cannot load
+        kill_child(encoder)
         with pytest.raises(EncoderUnavailableError, match="could not be restarted"):  # 503, not a 422
             encoder.encode_queries(QUERIES)
     finally:
         encoder.close()
-    assert encoder._pool is None
+    assert encoder.child_pid is None
+    with pytest.raises(EncoderUnavailableError, match="closed"):
+        encoder.encode_queries(QUERIES)
+
+
+def test_a_failing_call_raises_its_error_and_the_child_stays(folders) -> None:
+    local = local_encoder(folders[0])
+    encoder = ProcessQueryEncoder(local, QueryProcessSpec(str(folders[0]), "int8", 1))
+    try:
+        child = encoder.child_pid
+        with pytest.raises((TypeError, ValueError, AttributeError)):
+            encoder.encode_queries([None])  # type: ignore[list-item]  # the tokenizer refuses it
+        assert encoder.child_pid == child
+        assert torch.equal(encoder.encode_queries(QUERIES), local.encode_queries(QUERIES))
+    finally:
+        encoder.close()
+
+
+def test_passages_are_not_held_up_by_a_query_call(folders) -> None:
+    """The server's LockedEncoder must not hold its lock while the child works (or restarts)."""
+    from rmm.serve.locked_encoder import LockedEncoder
+
+    local = local_encoder(folders[0])
+    encoder = ProcessQueryEncoder(local, QueryProcessSpec(str(folders[0]), "int8", 1))
+    locked = LockedEncoder(encoder)
+    release = threading.Event()
+    original = encoder.encode_queries
+
+    def stuck(texts: list[str]) -> torch.Tensor:
+        release.wait(10)
+        return original(texts)
+
+    encoder.encode_queries = stuck  # type: ignore[method-assign]  # a query call that takes its time
+    try:
+        query = threading.Thread(target=locked.encode_queries, args=(QUERIES,))
+        query.start()
+        time.sleep(0.1)
+        started = time.monotonic()
+        assert locked.encode_passages(QUERIES).shape == (3, local.dim)
+        assert time.monotonic() - started < 5  # not after the query call
+        release.set()
+        query.join()
+    finally:
+        release.set()
+        encoder.close()
 
 
 def test_a_child_with_another_encoder_or_none_is_refused(folders) -> None:
@@ -95,7 +165,7 @@ def test_the_server_encodes_queries_in_a_child_when_it_loads_its_encoder(tmp_pat
         assert [m.score for m in got.memories] == [m.score for m in expected.memories]
     finally:
         service.close()
-    assert service.query_process._pool is None  # closed with the service
+    assert service.query_process.child_pid is None  # closed with the service
 
     injected = RetrievalService(config(bank=str(tmp_path / "bank3")), encoder=BagOfWordsEncoder())  # in-process
     assert injected.query_process is None
@@ -119,7 +189,7 @@ def test_the_child_leaves_when_the_server_is_killed(tmp_path: Path, folders) -> 
         "if __name__ == '__main__':\n"
         f"    local = query_encoder(load_encoder({str(folders[0])!r}, device='cpu'), 'int8')\n"
         f"    encoder = ProcessQueryEncoder(local, QueryProcessSpec({str(folders[0])!r}, 'int8', 1))\n"
-        "    print(encoder._pool.submit(os.getpid).result(), flush=True)\n"
+        "    print(encoder.child_pid, flush=True)\n"
         "    time.sleep(600)\n")
     server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -138,3 +208,49 @@ def test_the_child_leaves_when_the_server_is_killed(tmp_path: Path, folders) -> 
         time.sleep(0.2)
     os.kill(child, signal.SIGKILL)
     pytest.fail("the encoder process outlived its killed server")
+
+
+def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path: Path, monkeypatch) -> None:
+    from rmm.serve.config import load_config
+    from rmm.serve.service import RetrievalService
+
+    def config(**overrides):
+        return load_config(None, {"bank": str(tmp_path / "bank"), "auth.keys": {"k" * 20: "alpha"}, **overrides},
+                           environ={})
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU box: the device resolves
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="query_process: on encodes queries in a CPU process"):
+        config(device="cuda", query_process="on")
+    monkeypatch.undo()
+
+    class OddSize(BagOfWordsEncoder):
+        name, dim, fingerprint = "odd", 20, "odd-v1"
+
+    with pytest.raises(ConfigError, match="divisible by 16; odd has 20"):
+        RetrievalService(config(device="cpu", index_precision="int8"), encoder=OddSize())
+    assert not (tmp_path / "bank").exists()  # refused before the bank was opened
+
+
+def test_a_service_that_fails_to_build_leaves_no_child_behind(tmp_path: Path, folders, monkeypatch) -> None:
+    import rmm.serve.service as service_module
+    from rmm.serve.config import load_config
+
+    started: list[ProcessQueryEncoder] = []
+    original_init = ProcessQueryEncoder.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        started.append(self)
+
+    def broken_bank(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ProcessQueryEncoder, "__init__", recording_init)
+    monkeypatch.setattr(service_module, "MemoryBank", broken_bank)
+    config = load_config(None, {"bank": str(tmp_path / "bank"), "auth.keys": {"k" * 20: "alpha"}, "device": "cpu",
+                                "encoder": str(folders[0])}, environ={})
+    with pytest.raises(OSError, match="disk full"):
+        service_module.RetrievalService(config)
+    (encoder,) = started
+    assert encoder.child_pid is None  # stopped with the failure, not left running

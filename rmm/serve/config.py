@@ -238,6 +238,12 @@ class ServeConfig:
             if resolve_device(self.device).type != "cpu":
                 raise ConfigError(f"index_precision 'int8' scans on the CPU; device {self.device!r} is not one "
                                   "(use float16 or bfloat16 there)")
+        if self.query_process == "on":
+            from rmm.device import resolve_device
+
+            if resolve_device(self.device).type != "cpu":
+                raise ConfigError(f"query_process: on encodes queries in a CPU process; device {self.device!r} is "
+                                  "not the CPU (use auto or off there)")
         if self.database:
             from rmm.memory.bank import DATABASE_OPTIONS
 

@@ -31,6 +31,7 @@ import torch
 
 from rmm.errors import ConfigError
 from rmm.memory.bank import EncoderLike, MemoryBank
+from rmm.memory.index import INT8_DIM_MULTIPLE
 from rmm.memory.sessions import SessionLog
 from rmm.policy.learner import Learner, is_normalized_encoder
 from rmm.policy.registry import SHARED, LearnerRegistry, checkpoint_exists
@@ -94,6 +95,9 @@ class RetrievalService:
             from rmm.encoders import load_encoder
 
             encoder = load_encoder(config.encoder, device=config.device)
+        if config.index_precision == "int8" and int(encoder.dim) % INT8_DIM_MULTIPLE:
+            raise ConfigError(f"index_precision 'int8' needs an embedding size divisible by {INT8_DIM_MULTIPLE}; "
+                              f"{encoder.name} has {encoder.dim} (use float16)")
         self.query_process: ProcessQueryEncoder | None = None
         on_cpu = getattr(encoder, "device", torch.device("cpu")).type == "cpu"
         if config.query_process == "on" or (config.query_process == "auto" and loads_encoder and on_cpu):
@@ -106,6 +110,15 @@ class RetrievalService:
             self.encoder = LockedEncoder(self.query_process)
         else:
             self.encoder = LockedEncoder(query_encoder(encoder, config.query_precision))
+        try:
+            self._build(config, encoder, llm)
+        except BaseException:  # nothing half-built may outlive the failure: above all not the child process
+            if self.query_process is not None:
+                self.query_process.close()
+            raise
+
+    def _build(self, config: ServeConfig, encoder: EncoderLike, llm: LLM | None) -> None:
+        """The bank, the server's state and the parts over them (`__init__`, once the encoder is up)."""
         path = config.bank_path
         self.bank = MemoryBank(config.store or path, self.encoder, index_backend=config.index_backend,
                                index_options=config.index_options, device=config.device)
