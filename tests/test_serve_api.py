@@ -312,3 +312,15 @@ def test_start_up_objects_are_kept_out_of_the_collectors_full_passes(tmp_path: P
 
     assert asyncio.run(main()) > 1000
     assert gc.get_freeze_count() == 0
+
+    first, second = make_app(tmp_path / "one"), make_app(tmp_path / "two")  # two apps in one process
+
+    async def both() -> tuple[int, int]:
+        async with first.router.lifespan_context(first):
+            async with second.router.lifespan_context(second):
+                pass
+            after_second = gc.get_freeze_count()  # the first still runs: nothing thawed under it
+        return after_second, gc.get_freeze_count()
+
+    still_frozen, after = asyncio.run(both())
+    assert still_frozen > 1000 and after == 0

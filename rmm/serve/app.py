@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -45,6 +46,30 @@ log = logging.getLogger(__name__)
 
 API_VERSION = API_PREFIX.lstrip("/")  # "v1": the OpenAPI document's version
 
+_freeze_lock = threading.Lock()
+_running_apps = 0  # apps of this process between start-up and shutdown: the last one out thaws
+
+
+def _freeze_start_up_objects() -> None:
+    """The ~400k objects of the imports and the start-up live as long as the server: moved out of
+    the collector's sight, so an automatic full collection no longer walks them all (a 200 ms pause
+    of every thread, a few times a minute under load: scripts/bench_serve.py's p99)."""
+    global _running_apps
+    with _freeze_lock:
+        gc.collect()
+        gc.freeze()
+        _running_apps += 1
+
+
+def _thaw_when_last() -> None:
+    """`gc.unfreeze()` is process-wide: an embedding process gets its objects back when its last
+    app stops, never while another app still runs."""
+    global _running_apps
+    with _freeze_lock:
+        _running_apps -= 1
+        if _running_apps == 0:
+            gc.unfreeze()
+
 
 def create_app(config: ServeConfig, *, service: RetrievalService | None = None, **service_options: Any) -> FastAPI:
     """The API over a `RetrievalService` (built from `config` unless given; `service_options`,
@@ -58,7 +83,8 @@ def create_app(config: ServeConfig, *, service: RetrievalService | None = None, 
     # reranked and persisted
     retrievals: MicroBatcher[RetrieveItem, RetrieveResult] = MicroBatcher(
         service.finish_retrievals, prepare=service.encode_retrievals, max_batch=batching.max_batch,
-        max_wait_ms=batching.max_wait_ms, enabled=batching.enabled, name="retrieve", on_batch=metrics.on_batch)
+        max_wait_ms=batching.max_wait_ms, enabled=batching.enabled, name="retrieve", on_batch=metrics.on_batch,
+        on_stage=metrics.on_stage)
     # memory writes are coalesced the same way: one passage encode for every concurrent request
     writes: MicroBatcher[WriteItem, list[str]] = MicroBatcher(
         service.add_memories_batch, max_batch=batching.max_batch, max_wait_ms=batching.max_wait_ms,
@@ -67,11 +93,7 @@ def create_app(config: ServeConfig, *, service: RetrievalService | None = None, 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.start()
-        # The ~400k objects of the imports and the start-up live as long as the server: moved out
-        # of the collector's sight, so an automatic full collection no longer walks them all (a
-        # 200 ms pause of every thread, a few times a minute under load: scripts/bench_serve.py's p99).
-        gc.collect()
-        gc.freeze()
+        _freeze_start_up_objects()
         log.info("rmm serve ready: bank %s, encoder %s, batching %s (max_batch %d, max_wait %.1f ms)",
                  config.bank_path, service.encoder.name, "on" if batching.enabled else "off",
                  batching.max_batch, batching.max_wait_ms)
@@ -83,7 +105,7 @@ def create_app(config: ServeConfig, *, service: RetrievalService | None = None, 
                 await writes.close()
                 await asyncio.to_thread(service.close)
             finally:
-                gc.unfreeze()  # an app embedded in a longer-lived process hands them back
+                _thaw_when_last()
             log.info("rmm serve stopped; rerankers checkpointed")
 
     app = FastAPI(title="rmm retrieval server", version=API_VERSION, lifespan=lifespan,
