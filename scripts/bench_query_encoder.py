@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """The server's query encoder paths on the CPU, per query: float32, int8 padded (each query padded
 to a multiple of 8 tokens, one forward per padded length), int8 packed (the server's default for
-BERT encoders: a micro-batch's tokens unpadded, one pass; `rmm.serve.packed_bert`) and, when
+BERT encoders: a micro-batch's tokens unpadded, one pass; `rmm.serve.packed_bert`), the same with
+every linear layer on `torch._int_mm` instead of oneDNN's prepacked int8 kernel (`int8 _int_mm`:
+what `rmm.serve.int8_linear` gains from that kernel; the vectors are the same to the bit) and, when
 onnxruntime is installed, `int8-onnx`.
 
 LoCoMo questions in micro-batches of each `--batch` size (1 is a query alone, as the server
@@ -26,6 +28,7 @@ import torch
 
 from rmm.data import load_dataset
 from rmm.encoders import load_encoder
+from rmm.serve.int8_linear import RowInt8Linear
 from rmm.serve.query_encoder import Int8QueryEncoder
 
 
@@ -34,6 +37,25 @@ def cpu_ms_per_query(encode: Callable[[list[str]], torch.Tensor], batches: list[
     for batch in batches:
         encode(batch)
     return 1000 * (time.process_time() - started) / sum(len(b) for b in batches)
+
+
+def on_int_mm(encoder: Int8QueryEncoder) -> Int8QueryEncoder:
+    """`encoder` with every int8 linear layer on `torch._int_mm` (no prepacked oneDNN weight)."""
+    pending, seen = [encoder], set()
+    while pending:  # the layers sit in modules and in the packed forward's plain lists of records
+        item = pending.pop()
+        if id(item) in seen or isinstance(item, (str, bytes, int, float, torch.Tensor)):
+            continue
+        seen.add(id(item))
+        if isinstance(item, RowInt8Linear):
+            item._packed = None
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif hasattr(item, "__dict__"):
+            pending.extend(vars(item).values())
+    return encoder
 
 
 def main() -> int:
@@ -52,6 +74,7 @@ def main() -> int:
         "float32": encoder.encode_queries,
         "int8 padded": Int8QueryEncoder(encoder, packed=False).encode_queries,
         "int8 packed": Int8QueryEncoder(encoder).encode_queries,
+        "int8 _int_mm": on_int_mm(Int8QueryEncoder(encoder)).encode_queries,
     }
     try:
         paths["int8-onnx"] = Int8QueryEncoder(encoder, engine="onnx").encode_queries
