@@ -232,16 +232,14 @@ class ServeConfig:
         if self.index_precision != "float32" and (self.index_backend != "torch" or self.store):
             raise ConfigError(f"index_precision {self.index_precision!r} is for the torch index of a bank folder "
                               f"(index_backend is {self.index_backend!r}{', store is a database' if self.store else ''})")
-        if self.index_precision == "int8":
+        if self.index_precision == "int8" or self.query_process == "on":  # settings that only work on the CPU
             from rmm.device import resolve_device
 
-            if resolve_device(self.device).type != "cpu":
+            on_cpu = resolve_device(self.device).type == "cpu"
+            if self.index_precision == "int8" and not on_cpu:
                 raise ConfigError(f"index_precision 'int8' scans on the CPU; device {self.device!r} is not one "
                                   "(use float16 or bfloat16 there)")
-        if self.query_process == "on":
-            from rmm.device import resolve_device
-
-            if resolve_device(self.device).type != "cpu":
+            if self.query_process == "on" and not on_cpu:
                 raise ConfigError(f"query_process: on encodes queries in a CPU process; device {self.device!r} is "
                                   "not the CPU (use auto or off there)")
         if self.database:

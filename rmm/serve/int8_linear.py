@@ -13,7 +13,8 @@ out the weight on every call): told that the input scale is 1, it returns the ex
 times each output channel's scale — the same floats as `torch._int_mm`'s products rescaled, to the
 bit — and the row scale and bias follow in one `addcmul`: micro-batches of 16 and 32 queries encode
 in 1.13x and 1.23x less CPU time (`python scripts/bench_query_encoder.py`, its `int8 _int_mm`
-column), while a lone query's handful of rows is no faster there (`PACKED_MIN_ROWS`). A row's result is the same on either path and never depends on the other rows.
+column), while a lone query's handful of rows is no faster there (`PACKED_MIN_ROWS`). A row's
+result is the same on either path and never depends on the other rows.
 """
 
 from __future__ import annotations
