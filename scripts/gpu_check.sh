@@ -5,10 +5,10 @@
 #   scripts/gpu_check.sh [--random-weights] [--dry-run] [REPORT.md]   # default: gpu-report.md here
 #
 # Sections, in order: environment; `pytest -m gpu`; the Triton rerank kernel vs torch eager
-# (bench_kernels.py); the encoder vs sentence-transformers, bf16, batch 256, for the MiniLM and
-# BERT-base (Contriever) architectures (bench_encode.py); pretraining throughput vs
-# sentence-transformers' trainer, Contriever architecture, batch 32 + 1 hard negative, bf16
-# (bench_pretrain.py); `rmm train` and `rmm pretrain` (1 epoch of contriever-a100.yaml) on CUDA with
+# (bench_kernels.py); pretraining throughput vs sentence-transformers' trainer, Contriever
+# architecture, batch 32 + 1 hard negative, bf16 (bench_pretrain.py); the encoder vs
+# sentence-transformers, bf16, batch 256, for the MiniLM and BERT-base (Contriever) architectures
+# (bench_encode.py); `rmm train` and `rmm pretrain` (1 epoch of contriever-a100.yaml) on CUDA with
 # wall time and peak GPU memory (cuda_peak.py); batched retrieval through `rmm serve` on CUDA,
 # req/s and p99 (bench_serve.py).
 #
@@ -17,6 +17,13 @@
 #   depend on the shapes, not the values. Without it, MiniLM is the bundled model and Contriever is
 #   read from RMM_CONTRIEVER_PATH / the HF cache, falling back to random weights (said in the report).
 # --dry-run: print the commands it would run, run nothing (works without a GPU).
+# GPU_CHECK_LOG=FILE: append each section's output to FILE as soon as it ends, so a run cut short
+#   still leaves what it measured; the sections run in order of what the report exists for: GPU
+#   tests, kernel, pretraining, then the rest.
+# SIGTERM / SIGINT (`timeout 540 scripts/gpu_check.sh ...`): the running section is stopped with
+#   every process it started (each section runs in its own process group; an orphaned benchmark
+#   would keep the caller's output open), the rest are skipped, and the report is written with what
+#   finished — the stopped section marked "stopped".
 #
 # Run from anywhere (it cd's to the repository root) in an environment with rmm[train,serve], pytest
 # and triton (the Dockerfile.cuda image: `docker run --rm --gpus all -v $PWD:/out --entrypoint
@@ -43,6 +50,13 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 failures=0
 sections=()
+current=""  # the running section's pid, leader of its own process group
+stopped=0
+stop() {
+  stopped=1
+  [ -n "$current" ] && { kill -TERM -- "-$current" 2>/dev/null || kill -TERM "$current" 2>/dev/null; }
+}
+trap stop TERM INT
 
 # step NAME TITLE CMD...: run CMD (stdout+stderr to $work/NAME.log), time it, note its section;
 # under --dry-run only print it.
@@ -52,13 +66,28 @@ step() {
     printf '%q ' "$@"; echo
     return 0
   fi
+  [ "$stopped" -eq 1 ] && return 0
   echo "== $title" >&2
   local start status
   start=$(date +%s)
-  "$@" > "$work/$name.log" 2>&1
+  if command -v setsid >/dev/null; then
+    setsid "$@" > "$work/$name.log" 2>&1 &
+  else
+    "$@" > "$work/$name.log" 2>&1 &
+  fi
+  current=$!
+  wait "$current"
   status=$?
+  if [ "$stopped" -eq 1 ]; then  # the signal interrupted `wait`: let the stopped group go, then say so
+    wait "$current" 2>/dev/null
+    status=143 title="$title (stopped)"
+  fi
+  current=""
   printf '%s\t%s\t%s\t%s\n' "$name" "$title" "$status" "$(( $(date +%s) - start ))" >> "$work/sections.tsv"
   sections+=("$name")
+  if [ -n "${GPU_CHECK_LOG:-}" ]; then
+    { echo "## $title — exit $status, $(( $(date +%s) - start )) s"; cat "$work/$name.log"; echo; } >> "$GPU_CHECK_LOG"
+  fi
   if [ "$status" -ne 0 ]; then
     failures=$((failures + 1))
     tail -20 "$work/$name.log" >&2
@@ -93,9 +122,9 @@ contriever_model=(--model "$contriever")
 
 step tests "GPU-marked tests" python -m pytest -q -m gpu -rs -p no:cacheprovider tests/
 step kernels "Triton rerank kernel vs torch eager" python scripts/bench_kernels.py --device cuda --out "$work/kernels.json" --markdown "$work/kernels.md"
+step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16" python scripts/bench_pretrain.py --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 "${contriever_model[@]}"
 step encode-minilm "encoder vs sentence-transformers: MiniLM-L6 ($minilm_note)" python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${minilm_args[@]}"
 step encode-contriever "encoder vs sentence-transformers: BERT-base ($contriever_note)" python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${contriever_model[@]}"
-step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16" python scripts/bench_pretrain.py --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 "${contriever_model[@]}"
 step train "rmm train on CUDA (BERT-base, simulated citations)" python scripts/cuda_peak.py -- train --retriever "$contriever" --device cuda
 step pretrain "rmm pretrain, 1 epoch of configs/pretrain/contriever-a100.yaml on CUDA" python scripts/cuda_peak.py -- pretrain --config configs/pretrain/contriever-a100.yaml epochs=1 "encoder=$contriever" "output_dir=$work/pretrain-run" progress=false
 step serve "batched retrieval through rmm serve on CUDA (MiniLM bank)" python scripts/bench_serve.py --device cuda --clients 1 32 --duration 6 --modes on off

@@ -7,6 +7,7 @@ import importlib.util
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -57,6 +58,55 @@ def test_gpu_check_dry_run_lists_every_section_with_random_weights() -> None:
 def test_gpu_check_refuses_unknown_options() -> None:
     result = gpu_check("--fast")
     assert result.returncode == 2 and "unknown option --fast" in result.stderr
+
+
+FAKE_PYTHON = """#!/bin/sh
+# stands in for python: a GPU is "there", the environment snippet answers, every section hangs
+case "$*" in
+  *torch.cuda.is_available*) exit 0 ;;
+  -*) [ "$1" = "-" ] && { cat >/dev/null; echo "- device: fake"; exit 0; } ;;
+esac
+echo "section started" >> "$FAKE_MARK"
+exec sleep 300
+"""
+
+
+def test_gpu_check_stopped_by_a_signal_ends_its_section_and_still_reports(tmp_path: Path) -> None:
+    """`timeout N gpu_check.sh` on a lease: the running benchmark goes with it (an orphan would hold
+    the caller's output open until the lease ends) and what finished is still reported."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(FAKE_PYTHON)
+    (bin_dir / "python").chmod(0o755)
+    mark, report, log = tmp_path / "started", tmp_path / "report.md", tmp_path / "progress.log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_MARK": str(mark), "GPU_CHECK_LOG": str(log), "HOME": str(tmp_path)}
+    with subprocess.Popen(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--random-weights", str(report)],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as run:
+        for _ in range(200):  # the first section (the random-weight model) is running
+            if mark.exists():
+                break
+            time.sleep(0.05)
+        assert mark.exists(), "no section started"
+        run.terminate()
+        out, err = run.communicate(timeout=20)  # the pipes close: nothing the section started holds them
+    assert run.returncode == 1, err
+    assert mark.read_text().count("section started") == 1  # the later sections were skipped
+    text = report.read_text()
+    assert "random-weight Contriever (stopped)" in text and "exit 143" in text and "- device: fake" in text
+    assert "(stopped) — exit 143" in log.read_text()
+    assert not processes_with(str(mark)), "the stopped section's process outlived the report"
+
+
+def processes_with(marker: str) -> list[int]:
+    """Live processes whose environment holds `marker` (this test's fake sections)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 @no_cuda
