@@ -10,6 +10,7 @@ from fakes import BagOfWordsEncoder
 
 from rmm.errors import ConfigError
 from rmm.serve.config import load_config
+from rmm.serve.int8_linear import quantize_rows
 from rmm.serve.query_encoder import Int8QueryEncoder, RowInt8Linear, query_encoder
 
 FACTS = ["Ana hikes mountain trails every weekend", "Ana bakes sourdough bread on Sundays",
@@ -77,6 +78,21 @@ def test_row_int8_linear_is_close_to_float_and_rowwise() -> None:
     assert torch.nn.functional.cosine_similarity(exact.reshape(-1, 32), approx.reshape(-1, 32)).min() > 0.999
     assert torch.equal(quantized(x[1:2, 3:4]), approx[1:2, 3:4])  # a row's output ignores the other rows
     assert torch.equal(quantized(torch.zeros(2, 64)), linear.bias.detach().expand(2, 32))  # zero rows: no 0/0
+
+
+def test_rows_are_quantized_by_their_largest_magnitude() -> None:
+    """round(x / (max|x| / 127)) per row, whichever sign holds the largest magnitude, never past
+    ±127, a zero row to zeros: the integer matmul sees exactly these numbers."""
+    torch.manual_seed(2)
+    x = torch.randn(6, 48) * torch.tensor([[1.0], [1e-3], [1e4], [1.0], [1e-30], [0.0]])
+    x[3] = x[3].abs()
+    x[3, 5] = -10.0  # the largest magnitude is negative
+    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    expected = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+    assert expected.abs().amax(dim=1)[:4].eq(127).all() and expected[3, 5] == -127
+    quantized, got_scale = quantize_rows(x)
+    assert torch.equal(quantized, expected) and torch.equal(got_scale, scale)
+    assert not quantized[5].any()
 
 
 def test_row_int8_linear_kernels_agree_to_the_bit_at_every_batch_size() -> None:
