@@ -329,6 +329,14 @@ def profile_summary(path: Path, top: int = 18) -> list[str]:
     return lines
 
 
+def stage_busy(row: Row) -> str:
+    """How busy the two pipelined stages were; none without micro-batching, where each request runs
+    both on its own, many at a time (their summed stage time is a concurrency, not a share)."""
+    if row.batching != "on":
+        return "–"
+    return f"{100 * row.prepare_busy:.0f}% / {100 * row.finish_busy:.0f}%"
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -433,8 +441,7 @@ def main() -> int:
                     print(f"  batching {mode:3s} clients {clients:3d}: {row.req_per_s:7.1f} req/s  "
                           f"p50 {row.p50_ms:7.1f} ms  p90 {row.p90_ms:7.1f} ms  p99 {row.p99_ms:7.1f} ms  max {row.max_ms:7.1f} ms  batch {row.mean_batch:5.1f}  "
                           f"server CPU {row.server_cpu_ms:5.1f} ms/req  client CPU {row.client_cpu_ms:4.2f} ms/req "
-                          f"({100 * row.client_cpu_share:.0f}% of a core)  stages busy {100 * row.prepare_busy:.0f}% "
-                          f"encode / {100 * row.finish_busy:.0f}% search+rerank+store  errors {errors}  "
+                          f"({100 * row.client_cpu_share:.0f}% of a core)  stages busy (encode / search+rerank+store) {stage_busy(row)}  errors {errors}  "
                           f"load {row.load_avg:.1f}",
                           flush=True)
             finally:
@@ -451,7 +458,7 @@ def main() -> int:
     for r in rows:
         print(f"| {r.clients} | {r.batching} | {r.max_batch} | {r.max_wait_ms:g} | {r.req_per_s:.1f} | "
               f"{r.p50_ms:.1f} | {r.p90_ms:.1f} | {r.p99_ms:.1f} | {r.max_ms:.1f} | {r.mean_batch:.1f} | {r.server_cpu_ms:.1f} | {r.client_cpu_ms:.2f} | "
-              f"{100 * r.prepare_busy:.0f}% / {100 * r.finish_busy:.0f}% | {r.errors} | "
+              f"{stage_busy(r)} | {r.errors} | "
               f"{r.load_avg:.1f} |")
     on = {r.clients: r for r in rows if r.batching == "on"}
     off = {r.clients: r for r in rows if r.batching == "off"}
