@@ -95,6 +95,30 @@ def test_rows_are_quantized_by_their_largest_magnitude() -> None:
     assert not quantized[5].any()
 
 
+def test_packed_matmuls_see_few_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN builds a kernel per row count: micro-batches of 33-64 rows reach it as 48 or 64 rows
+    (zero rows padded on, their outputs dropped), and each row's result is the unpadded one."""
+    from rmm.serve import int8_linear
+
+    torch.manual_seed(3)
+    quantized = RowInt8Linear(torch.nn.Linear(64, 32))
+    if quantized._packed is None:
+        pytest.skip("this torch has no oneDNN int8 kernel (torch._int_mm path only)")
+    seen: set[int] = set()
+    real = int8_linear._packed_matmul
+
+    def spy(rows: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        seen.add(len(rows))
+        return real(rows, *args)
+
+    x = torch.randn(64, 64)
+    alone = torch.cat([quantized(x[i:i + 1]) for i in range(len(x))])
+    monkeypatch.setattr(int8_linear, "_packed_matmul", spy)
+    for rows in range(33, 65):
+        assert torch.equal(quantized(x[:rows]), alone[:rows]), rows
+    assert seen == {48, 64}
+
+
 def test_row_int8_linear_kernels_agree_to_the_bit_at_every_batch_size() -> None:
     """Rows below PACKED_MIN_ROWS take torch._int_mm, more take oneDNN's prepacked kernel: a query
     alone and the same query in a micro-batch must still get the same floats."""
