@@ -68,7 +68,7 @@ step() {
   fi
   [ "$stopped" -eq 1 ] && return 0
   echo "== $title" >&2
-  local start status
+  local start status seconds
   start=$(date +%s)
   if command -v setsid >/dev/null; then
     setsid "$@" > "$work/$name.log" 2>&1 &
@@ -83,10 +83,11 @@ step() {
     status=143 title="$title (stopped)"
   fi
   current=""
-  printf '%s\t%s\t%s\t%s\n' "$name" "$title" "$status" "$(( $(date +%s) - start ))" >> "$work/sections.tsv"
+  seconds=$(( $(date +%s) - start ))
+  printf '%s\t%s\t%s\t%s\n' "$name" "$title" "$status" "$seconds" >> "$work/sections.tsv"
   sections+=("$name")
   if [ -n "${GPU_CHECK_LOG:-}" ]; then
-    { echo "## $title — exit $status, $(( $(date +%s) - start )) s"; cat "$work/$name.log"; echo; } >> "$GPU_CHECK_LOG"
+    { echo "## $title — exit $status, $seconds s"; cat "$work/$name.log"; echo; } >> "$GPU_CHECK_LOG"
   fi
   if [ "$status" -ne 0 ]; then
     failures=$((failures + 1))

