@@ -154,6 +154,7 @@ def st_trainer_round(model_path: str, pairs, batches: list[list[int]], cfg, devi
                      negatives: dict[int, list[str]]) -> Rate:
     """SentenceTransformerTrainer + MNRL with a user's sensible settings (see the module docstring)."""
     from datasets import Dataset as HFDataset
+    from datasets.table import InMemoryTable
     from sentence_transformers import (
         SentenceTransformerTrainer,
         SentenceTransformerTrainingArguments,
@@ -165,7 +166,9 @@ def st_trainer_round(model_path: str, pairs, batches: list[list[int]], cfg, devi
     order = [i for batch in batches for i in batch]  # every batch is full: sequential batches = ours
     columns = _columns(pairs, negatives, order)
     names = ["anchor", "positive"] + [f"negative_{n + 1}" for n in range(len(columns) - 2)]
-    train = HFDataset.from_dict(dict(zip(names, columns)))
+    # a fixed fingerprint: `from_dict` would hash the arrow table with dill, which fails on some
+    # pyarrow releases (26: "Can't pickle MonthDayNano"); nothing here is cached, so none is needed
+    train = HFDataset(InMemoryTable.from_pydict(dict(zip(names, columns))), fingerprint="rmm-bench-pretrain")
 
     def our_batches(dataset, batch_size: int, drop_last: bool, **_kwargs) -> DefaultBatchSampler:
         return DefaultBatchSampler(torch.utils.data.SequentialSampler(dataset), batch_size=batch_size,
