@@ -7,6 +7,10 @@ precision (fp32 on CPU, bf16 autocast on CUDA), lr, weight decay, grad-norm clip
 (MNRL scale 20 = τ 0.05) and hard negatives (`--hard-negatives N`: mined once with the base model,
 the same N per pair on both sides), in one process (same threads, same device).
 
+sentence-transformers (≥ 6) embeds the queries in one transformer pass and the positives with their
+hard negatives in another; rmm's passes follow `merge_passes` (`--merge-passes`; auto: the same as
+sentence-transformers on CUDA, a pass per text group on CPU).
+
 `--device cuda` runs both on the GPU (timings synchronise the device). `--random-weights ARCH`
 (contriever = BERT-base, minilm = MiniLM-L6) trains a randomly initialised model of that real
 architecture, for machines where its weights cannot be carried; `--arch-override` shrinks it (tests).
@@ -29,11 +33,15 @@ median of the per-round ratios, in wall pairs/s and in pairs per CPU-second of t
 
     python scripts/bench_pretrain.py [--steps 10] [--rounds 3] [--baseline auto|trainer|loop]
     python scripts/bench_pretrain.py --device cuda --random-weights contriever --hard-negatives 1 --steps 30
+    python scripts/bench_pretrain.py ... --merge-passes all   # rmm in one transformer pass a step
+    python scripts/bench_pretrain.py --random-weights contriever --hard-negatives 1 --count-ops
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import os
 import shutil
 import statistics
@@ -45,6 +53,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rmm.training.pretrain_config import MERGE_PASSES
 
 Rate = tuple[float, float]  # (pairs per wall second, pairs per CPU second)
 
@@ -194,6 +205,67 @@ def st_trainer_round(model_path: str, pairs, batches: list[list[int]], cfg, devi
     return _rates(batches, marks)
 
 
+class _DispatchCount(TorchDispatchMode):
+    """Backend operations dispatched (views and allocations aside): on a GPU, about one kernel
+    launch each — what bounds a step whose kernels are small."""
+
+    FREE = {"view", "_unsafe_view", "t", "transpose", "expand", "permute", "unsqueeze", "squeeze", "slice", "select",
+            "alias", "as_strided", "detach", "reshape", "_reshape_alias", "split", "split_with_sizes", "unbind",
+            "lift_fresh", "empty", "empty_like", "empty_strided"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ not in self.FREE
+        return func(*args, **(kwargs or {}))
+
+
+def _step_ops(parameters: list[torch.nn.Parameter], loss_fn) -> int:
+    """Operations of one training step (loss, backward, norm clipping, fused AdamW), after one
+    untimed step so that lazily built optimiser state is not counted."""
+    optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=True)
+
+    def step() -> None:
+        loss = loss_fn()
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], 1.0, foreach=True)
+        optimizer.step()
+
+    step()
+    with _DispatchCount() as counter:
+        step()
+    return counter.count
+
+
+def count_ops(cfg, dataset, negatives: dict[int, list[str]], indices: list[int], model_path: str, pairs,
+              device: str, with_st: bool) -> None:
+    """Print the operations one step dispatches: rmm under each `merge_passes`, and sentence-transformers."""
+    from rmm.training.pretrain import build
+
+    module, data = build(cfg, dataset)
+    module.train()
+    data.hard_negatives = negatives
+    data.pretokenize()
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    for merge in MERGE_PASSES[1:]:
+        data.cfg = dataclasses.replace(cfg, merge_passes=merge)
+        batch = data.collate("train", indices)
+        batch["passes"] = [{k: v.to(device) for k, v in inputs.items()} for inputs in batch["passes"]]
+        ops = _step_ops(parameters, lambda: module.batch_loss(batch))
+        print(f"rmm, merge_passes {merge} ({len(batch['passes'])} transformer passes): {ops} operations a step")
+    if with_st:
+        model, loss = _st_model_and_loss(model_path, cfg, device)
+        model.train()
+        tokenize = getattr(model, "preprocess", model.tokenize)
+        features = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in tokenize(column).items()}
+                    for column in _columns(pairs, negatives, indices)]
+        ops = _step_ops([p for p in model.parameters() if p.requires_grad], lambda: loss(features, None))
+        print(f"sentence-transformers, MultipleNegativesRankingLoss: {ops} operations a step")
+
+
 def _model_folder(args: argparse.Namespace, parser: argparse.ArgumentParser, scratch: str) -> tuple[str, str]:
     """(model folder, what it is): --model, a random-weight architecture, or the bundled MiniLM."""
     if args.random_weights:
@@ -237,6 +309,11 @@ def main() -> None:
                         help="random weights of this architecture instead: contriever (BERT-base) or minilm")
     parser.add_argument("--arch-override", metavar="KEY=VALUE", nargs="*", default=[],
                         help="BertConfig fields for --random-weights (e.g. hidden_size=32)")
+    parser.add_argument("--merge-passes", choices=MERGE_PASSES, default="auto",
+                        help="rmm side: which texts share a transformer pass (PretrainConfig.merge_passes)")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="print the operations one step dispatches (about one GPU kernel launch each) for "
+                             "rmm's pass layouts and sentence-transformers, then exit (no timing)")
     parser.add_argument("--data-dir", default=None, help="benchmark data (default: $RMM_DATA_DIR)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -257,6 +334,7 @@ def main() -> None:
         label, st_round = f"MNRL in a plain torch loop ({why})", st_loop_round
 
     from rmm.training.pretrain import NoDuplicateBatchSampler, build_pairs, mine_hard_negatives, split_users
+    from rmm.training.pretrain.module import resolve_merge_passes
     from rmm.training.pretrain_config import PretrainConfig
 
     from rmm.data import load_dataset
@@ -270,6 +348,7 @@ def main() -> None:
                          checkpoint=False, progress=False, accelerator="gpu" if args.device == "cuda" else "cpu",
                          devices=1, precision=precision, lr=1e-4, temperature=0.05, eval_before=False,
                          hard_negatives=args.hard_negatives, refresh_hard_negatives=False,
+                         merge_passes=args.merge_passes,
                          max_steps=args.steps + 1, output_dir=os.path.join(scratch, "out"))
     split = split_users([u for u in dataset.users if dataset.questions_of(u)], cfg.val_fraction, cfg.test_fraction,
                         cfg.seed)
@@ -284,10 +363,15 @@ def main() -> None:
     batches = batches[: args.steps + 1]
     if len(batches) < 2:
         parser.error("need at least 2 full batches (1 warm-up + 1 timed)")
+    if args.count_ops:
+        with_st = importlib.util.find_spec("sentence_transformers") is not None
+        count_ops(cfg, dataset, negatives, batches[0], model_path, pairs, args.device, with_st)
+        shutil.rmtree(scratch, ignore_errors=True)
+        return
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else f"{torch.get_num_threads()} CPU threads"
     print(f"{model_label}, {len(batches) - 1} timed steps (+1 warm-up) of {args.batch_size} LoCoMo (question, gold "
           f"turn) pairs + {args.hard_negatives} hard negative(s), max_length {args.max_length}, {precision}, "
-          f"{device_name}; baseline: {label}", flush=True)
+          f"{device_name}; rmm: merge_passes {resolve_merge_passes(cfg)}; baseline: {label}", flush=True)
     ours: list[Rate] = []
     theirs: list[Rate] = []
     for round_ in range(args.rounds):

@@ -6,7 +6,8 @@
 #
 # Sections, in order: environment; `pytest -m gpu`; the Triton rerank kernel vs torch eager
 # (bench_kernels.py); pretraining throughput vs sentence-transformers' trainer, Contriever
-# architecture, batch 32 + 1 hard negative, bf16 (bench_pretrain.py); the encoder vs
+# architecture, batch 32 + 1 hard negative, bf16, rmm in two transformer passes a step and in one
+# (merge_passes all) (bench_pretrain.py); the encoder vs
 # sentence-transformers, bf16, batch 256, for the MiniLM and BERT-base (Contriever) architectures
 # (bench_encode.py); `rmm train` and `rmm pretrain` (1 epoch of contriever-a100.yaml) on CUDA with
 # wall time and peak GPU memory (cuda_peak.py); batched retrieval through `rmm serve` on CUDA,
@@ -28,8 +29,8 @@
 # Run from anywhere (it cd's to the repository root) in an environment with rmm[train,serve], pytest
 # and triton (the Dockerfile.cuda image: `docker run --rm --gpus all -v $PWD:/out --entrypoint
 # scripts/gpu_check.sh rmm:cuda /out/gpu-report.md`). Exit status: 0 when every section ran and the
-# GPU tests passed, 1 when any failed, 2 when there is no usable GPU. Figures are measured, never
-# assumed: without a GPU the script stops before benchmarking.
+# GPU tests passed, 1 when any failed, 2 when rmm is not installed or there is no usable GPU.
+# Figures are measured, never assumed: without a GPU the script stops before benchmarking.
 set -uo pipefail
 
 random_weights=0 dry_run=0 report_arg=""
@@ -37,7 +38,7 @@ for arg in "$@"; do
   case "$arg" in
     --random-weights) random_weights=1 ;;
     --dry-run) dry_run=1 ;;
-    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu_check: unknown option $arg (see --help)" >&2; exit 2 ;;
     *) report_arg="$arg" ;;
   esac
@@ -97,6 +98,11 @@ step() {
 }
 
 if [ "$dry_run" -eq 0 ]; then
+  # the benchmarks run as `python scripts/...`: rmm must be installed (pip install -e .), not merely here
+  if ! (cd "$work" && python -c "import rmm.training, rmm.kernels" 2>"$work/import.log"); then
+    echo "gpu_check: rmm is not importable outside the checkout ($(tail -1 "$work/import.log")): pip install -e . first" >&2
+    exit 2
+  fi
   if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: no CUDA device visible to torch (torch.cuda.is_available() is False)" >&2
     mkdir -p "$(dirname "$report")"
@@ -124,6 +130,7 @@ contriever_model=(--model "$contriever")
 step tests "GPU-marked tests" python -m pytest -q -m gpu -rs -p no:cacheprovider tests/
 step kernels "Triton rerank kernel vs torch eager" python scripts/bench_kernels.py --device cuda --out "$work/kernels.json" --markdown "$work/kernels.md"
 step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16" python scripts/bench_pretrain.py --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 "${contriever_model[@]}"
+step pretrain-bench-one-pass "pretraining vs sentence-transformers, rmm in one transformer pass a step (merge_passes all)" python scripts/bench_pretrain.py --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --merge-passes all "${contriever_model[@]}"
 step encode-minilm "encoder vs sentence-transformers: MiniLM-L6 ($minilm_note)" python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${minilm_args[@]}"
 step encode-contriever "encoder vs sentence-transformers: BERT-base ($contriever_note)" python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${contriever_model[@]}"
 step train "rmm train on CUDA (BERT-base, simulated citations)" python scripts/cuda_peak.py -- train --retriever "$contriever" --device cuda

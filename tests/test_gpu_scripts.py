@@ -35,6 +35,7 @@ def test_gpu_check_dry_run_lists_every_section_with_random_weights() -> None:
         "scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --random-weights minilm",
         f"scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --model {contriever}",
         f"--device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --model {contriever}",
+        f"--hard-negatives 1 --merge-passes all --model {contriever}",
         f"scripts/cuda_peak.py -- train --retriever {contriever} --device cuda",
         f"configs/pretrain/contriever-a100.yaml epochs=1 encoder={contriever}",
         "scripts/bench_serve.py --device cuda",
@@ -55,7 +56,7 @@ def test_gpu_check_refuses_unknown_options() -> None:
 FAKE_PYTHON = """#!/bin/sh
 # stands in for python: a GPU is "there", the environment snippet answers, every section hangs
 case "$*" in
-  *torch.cuda.is_available*) exit 0 ;;
+  *torch.cuda.is_available*|*"import rmm.training"*) exit 0 ;;
   -*) [ "$1" = "-" ] && { cat >/dev/null; echo "- device: fake"; exit 0; } ;;
 esac
 echo "section started" >> "$FAKE_MARK"
@@ -99,6 +100,21 @@ def processes_with(marker: str) -> list[int]:
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
+
+
+def test_gpu_check_without_rmm_installed_stops_before_measuring(tmp_path: Path) -> None:
+    """Run from a bare checkout, every `python scripts/...` section would fail on `import rmm`:
+    one clear refusal instead of a report of failures."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text('#!/bin/sh\necho "ModuleNotFoundError: No module named \'rmm\'" >&2\nexit 1\n')
+    (bin_dir / "python").chmod(0o755)
+    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "report.md")],
+                            env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)},
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert "rmm is not importable" in result.stderr and "No module named 'rmm'" in result.stderr
+    assert "pip install -e ." in result.stderr and not (tmp_path / "report.md").exists()
 
 
 @no_cuda
@@ -145,6 +161,24 @@ def test_bench_pretrain_runs_a_random_weight_architecture_with_hard_negatives(ti
     assert "median per-round ratio" in result.stdout
 
 
+def test_bench_pretrain_counts_fewer_operations_with_fewer_passes(tiny_data_dir: Path) -> None:
+    """--count-ops: a step in one transformer pass dispatches fewer operations than in two, two fewer
+    than one pass per text group (what a GPU step pays a kernel launch for each)."""
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_pretrain.py"), "--data-dir",
+                             str(tiny_data_dir), "--random-weights", "contriever", "--arch-override", *TINY,
+                             "--batch-size", "2", "--hard-negatives", "1", "--count-ops"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    counts = {line.split(":")[0]: int(line.split(": ")[1].split()[0])
+              for line in result.stdout.splitlines() if line.startswith("rmm, ")}
+    assert list(counts) == ["rmm, merge_passes none (3 transformer passes)",
+                            "rmm, merge_passes candidates (2 transformer passes)",
+                            "rmm, merge_passes all (1 transformer passes)"]
+    three, two, one = counts.values()
+    assert three > two > one > 0
+    assert "median per-round ratio" not in result.stdout  # counting only: nothing timed
+
+
 def test_cuda_peak_reports_the_command_and_its_exit(capsys: pytest.CaptureFixture[str]) -> None:
     peak = load_script("cuda_peak")
     assert peak.main(["--", "pretrain", "--help"]) == 0
@@ -164,4 +198,31 @@ def test_bench_kernels_reports_the_copy_bandwidth_roofline(tmp_path: Path) -> No
     for row in report["rerank"]:
         if "triton_GBps" in row:
             assert row["fraction_of_copy_bandwidth"] == row["triton_GBps"] / report["copy_GBps"]
-    assert "of copy bandwidth" in bench.markdown(report)
+    assert report["copy_kernel_GBps"] is None  # no GPU clock on a CPU
+    assert "GB/s by the GPU's" in bench.markdown(report)
+
+
+def test_bench_kernels_holds_kernel_time_to_the_copy_by_the_same_clock() -> None:
+    """The roofline share by the GPU's clock: device events only, each share against the copy
+    measured by the same clock (the host clock's launch costs would sink a small kernel's share)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    bench = load_script("bench_kernels")
+
+    def event(device_type: DeviceType, microseconds: float) -> SimpleNamespace:
+        return SimpleNamespace(device_type=device_type, time_range=SimpleNamespace(elapsed_us=lambda: microseconds))
+
+    events = [event(DeviceType.CPU, 500.0), event(DeviceType.CUDA, 120.0), event(DeviceType.CUDA, 30.0)]
+    assert bench.device_event_seconds(events) == pytest.approx(150e-6)
+    report = {"device": "GPU", "torch": "t", "triton": "t", "bank_size": 10, "dtype": "bfloat16", "repeats": 5,
+              "copy_GBps": 2000.0, "copy_kernel_GBps": 3000.0,
+              "rerank": [{"B": 1024, "K": 200, "d": 768, "M": 5, "torch_ms": 1.2, "triton_ms": 0.25, "speedup": 4.8,
+                          "triton_GBps": 1000.0, "triton_kernel_ms": 0.1, "triton_kernel_GBps": 2400.0,
+                          "first_pick_agreement": 1.0},
+                         {"B": 1, "K": 20, "d": 768, "M": 5, "torch_ms": 1.0}]}
+    text = bench.markdown(report)
+    assert "| 1024 | 200 | 768 | 1.200 | 0.250 | 4.8× | 1000 | 50% | 0.100 | 2400 | 80% | 100.0% |" in text
+    assert "| 1 | 20 | 768 | 1.000 | — | — | — | — | — | — | — | — |" in text
+    assert "2000 GB/s by the host clock, 3000 GB/s by the GPU's" in text

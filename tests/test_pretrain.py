@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ from rmm.training.pretrain import (
     run_pretrain,
     split_users,
 )
-from rmm.training.pretrain.module import _fused_adamw_supported
+from rmm.training.pretrain.module import _fused_adamw_supported, resolve_merge_passes
 from rmm.cli.pretrain import add_pretrain_command
 from rmm.training.pretrain_config import (
     PretrainConfig,
@@ -202,6 +203,47 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path: Path, tiny_da
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+def _loss_and_gradients(module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    module.zero_grad()
+    loss = module.batch_loss(batch)
+    loss.backward()
+    return loss.detach(), torch.cat([p.grad.flatten() for p in module.model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize(("merge", "passes"), [("candidates", 2), ("all", 1)])
+def test_merged_passes_give_the_loss_of_one_pass_per_text_group(tmp_path: Path, tiny_data_dir: Path,
+                                                                 tiny_encoder_dir: Path, merge: str, passes: int) -> None:
+    """Texts sharing a transformer pass (merge_passes) are padded to a longer text: that must not
+    change any embedding, so loss and gradients equal a pass per text group."""
+    module, data = build(tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir, hard_negatives=2,
+                                     merge_passes=merge))
+    module.eval()  # no dropout: the passes must agree to float error
+    data.setup("fit")
+    data.mine()
+    indices = [0, 1, 2, 3]
+    batch = data.collate("train", indices)
+    assert len(batch["passes"]) == passes and batch["counts"] == (4, 4, 8)
+    loss, gradients = _loss_and_gradients(module, batch)
+
+    data.cfg = dataclasses.replace(data.cfg, merge_passes="none")
+    separate = data.collate("train", indices)
+    assert len(separate["passes"]) == 3 and separate["counts"] == (4, 4, 8)
+    want_loss, want_gradients = _loss_and_gradients(module, separate)
+    assert torch.allclose(loss, want_loss, atol=1e-5)
+    assert torch.allclose(gradients, want_gradients, atol=1e-5)
+
+
+def test_merge_passes_auto_follows_where_training_runs() -> None:
+    """auto: a pass per text group on CPU (padding costs arithmetic), candidates merged on CUDA."""
+    cpu = PretrainConfig(accelerator="cpu")
+    assert resolve_merge_passes(cpu) == "none"
+    assert resolve_merge_passes(dataclasses.replace(cpu, merge_passes="all")) == "all"
+    gpu = resolve_merge_passes(PretrainConfig(accelerator="gpu"))
+    assert gpu == ("candidates" if torch.cuda.is_available() else "none")
+    with pytest.raises(PretrainConfigError, match="merge_passes must be one of auto, none, candidates, all"):
+        PretrainConfig(merge_passes="queries")
+
+
 def test_trained_module_exports_an_encoder_that_loads_with_the_same_embeddings(
         tmp_path: Path, tiny_data_dir: Path, tiny_encoder_dir: Path) -> None:
     cfg = tiny_config(tmp_path, tiny_data_dir, tiny_encoder_dir, max_steps=3, hard_negatives=1)
@@ -279,7 +321,7 @@ def test_ddp_trains_on_our_sampler_batches_not_lightnings(tmp_path: Path, tiny_d
 
     class Record(L.Callback):
         def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
-            seen.append(args[1]["queries"]["input_ids"].cpu())
+            seen.append(args[1]["passes"][0]["input_ids"].cpu())  # the queries' pass
 
     environ = dict(os.environ)  # Lightning's DDP setup writes the rank/port variables
     try:
@@ -290,7 +332,7 @@ def test_ddp_trains_on_our_sampler_batches_not_lightnings(tmp_path: Path, tiny_d
         os.environ.clear()
         os.environ.update(environ)
     sampler = NoDuplicateBatchSampler(data.pairs["train"], cfg.batch_size, seed=cfg.seed)
-    expected = [data.collate("train", indices)["queries"]["input_ids"] for indices in list(sampler)[:2]]
+    expected = [data.collate("train", indices)["passes"][0]["input_ids"] for indices in list(sampler)[:2]]
     assert len(seen) == 2
     for got, want in zip(seen, expected):
         assert torch.equal(got, want)

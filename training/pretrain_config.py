@@ -20,6 +20,8 @@ from rmm.errors import ConfigError
 # One error type for every config; the old name stays importable.
 PretrainConfigError = ConfigError
 
+MERGE_PASSES = ("auto", "none", "candidates", "all")
+
 
 @dataclass
 class PretrainConfig:
@@ -68,6 +70,12 @@ class PretrainConfig:
     num_workers: int = 0  # DataLoader worker processes for collation (batches are pre-tokenised)
     fused_adamw: bool = True  # AdamW's fused kernel (CPU/CUDA; off under 16-mixed, see module.py)
     torch_compile: bool = False  # compile the transformer (dynamic shapes); pays off on long GPU runs
+    # transformer passes a step: "none" (queries, positives, hard negatives each their own),
+    # "candidates" (positives + hard negatives share one, as sentence-transformers ≥ 6 does), "all"
+    # (one pass). Fewer passes = fewer kernel launches, which bound a GPU step at batch 32; more
+    # padding, which a CPU step pays for (candidates: ~15 % more CPU per pair, MiniLM). auto:
+    # candidates where CUDA trains, none elsewhere
+    merge_passes: str = "auto"
     # batch pairs of similar length (within shuffled pools of 64 batches) so padding wastes little;
     # changes which pairs share a batch (the in-batch negatives), so it is off unless asked for
     length_bucketing: bool = False
@@ -112,6 +120,8 @@ class PretrainConfig:
         if self.precision not in ("auto", "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true"):
             raise PretrainConfigError(f"precision {self.precision!r} is not one of auto, 32-true, bf16-mixed, "
                                       "16-mixed, bf16-true")
+        if self.merge_passes not in MERGE_PASSES:
+            raise PretrainConfigError(f"merge_passes must be one of {', '.join(MERGE_PASSES)}, got {self.merge_passes!r}")
         if self.num_workers < 0:
             raise PretrainConfigError(f"num_workers must be an integer ≥ 0, got {self.num_workers!r}")
         if not self.eval_ks or any(not isinstance(k, int) or k < 1 for k in self.eval_ks):

@@ -2,7 +2,8 @@
 
 Every text a batch can hold (queries, positives, and the training users' turns that hard negatives
 come from) is tokenised in one call at `setup`, so a step only pads token lists (dynamic padding: to
-the longest in the batch) — no tokeniser work per step. Batches go to the GPU from pinned memory.
+the longest in the pass) — no tokeniser work per step. A batch is one to three transformer passes
+(`merge_passes`, see `collate`). Batches go to the GPU from pinned memory.
 Hard negatives are re-mined with the current weights at the start of every epoch (when refresh is
 on), which is why the trainer reloads the training loader each epoch.
 """
@@ -22,7 +23,7 @@ from rmm.encoders import Encoder
 from rmm.errors import DataError
 from rmm.training.pretrain.data import UserSplit, build_pairs, turn_texts
 from rmm.training.pretrain.mining import mine_hard_negatives
-from rmm.training.pretrain.module import ContrastiveModule, sync_encoder_device
+from rmm.training.pretrain.module import ContrastiveModule, resolve_merge_passes, sync_encoder_device
 from rmm.training.pretrain.sampler import NoDuplicateBatchSampler
 from rmm.training.pretrain_config import PretrainConfig
 from rmm.types import Dataset
@@ -84,18 +85,24 @@ class PairDataModule(L.LightningDataModule):
             self.encoder.device = device
 
     def collate(self, split: str, indices: list[int]) -> dict[str, Any]:
+        """The batch's texts as transformer passes (`merge_passes`: a pass per text group, positives
+        with their hard negatives, or all in one), and how many of its rows are queries, positives
+        and hard negatives, in that order."""
         pairs = [self.pairs[split][i] for i in indices]
         config = self.encoder.config
-        batch: dict[str, Any] = {
-            "queries": self._cpu_collate(self._ids([p.query for p in pairs], config.query_prefix)),
-            "positives": self._cpu_collate(self._ids([p.passage for p in pairs], config.passage_prefix)),
-            "negatives": None,
-        }
-        if split == "train" and self.cfg.hard_negatives:
-            negatives = [n for i in indices for n in self.hard_negatives.get(i, [])]
-            if negatives:
-                batch["negatives"] = self._cpu_collate(self._ids(negatives, config.passage_prefix))
-        return batch
+        queries = self._ids([p.query for p in pairs], config.query_prefix)
+        positives = self._ids([p.passage for p in pairs], config.passage_prefix)
+        negatives = self._ids([n for i in indices for n in self.hard_negatives.get(i, [])]
+                              if split == "train" and self.cfg.hard_negatives else [], config.passage_prefix)
+        merge = resolve_merge_passes(self.cfg)
+        if merge == "all":
+            groups = [queries + positives + negatives]
+        elif merge == "candidates":
+            groups = [queries, positives + negatives]
+        else:
+            groups = [queries, positives] + ([negatives] if negatives else [])
+        return {"passes": [self._cpu_collate(group) for group in groups],
+                "counts": (len(queries), len(positives), len(negatives))}
 
     def _loader(self, split: str, epoch: int, shuffle: bool, hard_negatives: dict[int, list[str]]) -> DataLoader:
         """Batches of pair indices from our sampler, sharded to this rank (Lightning's is off)."""

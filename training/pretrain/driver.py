@@ -32,7 +32,7 @@ from rmm.training.pretrain.console import lightning_console
 from rmm.training.pretrain.data import split_users
 from rmm.training.pretrain.datamodule import PairDataModule
 from rmm.training.pretrain.evaluation import evaluate_heldout
-from rmm.training.pretrain.module import ContrastiveModule, resolve_precision
+from rmm.training.pretrain.module import ContrastiveModule, batch_pairs, resolve_precision
 from rmm.training.pretrain_config import PretrainConfig
 from rmm.types import Dataset
 
@@ -127,7 +127,7 @@ class _Throughput(L.Callback):
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.seconds += time.perf_counter() - self._start
-        self.pairs += int(batch["queries"]["input_ids"].shape[0]) * trainer.world_size
+        self.pairs += batch_pairs(batch) * trainer.world_size
         self.steps += 1
 
 

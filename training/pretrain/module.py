@@ -30,6 +30,13 @@ def resolve_precision(cfg: PretrainConfig) -> str:
     return "bf16-mixed" if torch.cuda.is_available() and cfg.accelerator in ("auto", "gpu", "cuda") else "32-true"
 
 
+def resolve_merge_passes(cfg: PretrainConfig) -> str:
+    """`auto` → candidates where CUDA trains (launches bound the step), none elsewhere (padding does)."""
+    if cfg.merge_passes != "auto":
+        return cfg.merge_passes
+    return "candidates" if torch.cuda.is_available() and cfg.accelerator in ("auto", "gpu", "cuda") else "none"
+
+
 def _lora_wrap(model: nn.Module, cfg: PretrainConfig) -> nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
@@ -63,6 +70,11 @@ def _freeze_unused_heads(model: nn.Module) -> None:
 def sync_encoder_device(encoder: Encoder) -> None:
     """Encoder.collate sends inputs to `encoder.device`: keep it where Lightning put the weights."""
     encoder.device = next(encoder.model.parameters()).device
+
+
+def batch_pairs(batch: dict[str, Any]) -> int:
+    """(query, positive) pairs in a `PairDataModule` batch."""
+    return int(batch["counts"][0])
 
 
 class ContrastiveModule(L.LightningModule):
@@ -103,21 +115,23 @@ class ContrastiveModule(L.LightningModule):
             self.model.compile(dynamic=True)
 
     def batch_loss(self, batch: dict[str, Any]) -> Tensor:
-        queries = self.embed(batch["queries"])
-        positives = self.embed(batch["positives"])
-        negatives = self.embed(batch["negatives"]) if batch.get("negatives") is not None else None
-        return contrastive_loss(queries, positives, negatives, self.scale)
+        """InfoNCE of a `PairDataModule` batch: its passes embedded, then split into queries,
+        positives and hard negatives by the batch's counts."""
+        embeddings = [self.embed(inputs) for inputs in batch["passes"]]
+        rows = embeddings[0] if len(embeddings) == 1 else torch.cat(embeddings)
+        queries, positives, negatives = rows.split(list(batch["counts"]))
+        return contrastive_loss(queries, positives, negatives if len(negatives) else None, self.scale)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss = self.batch_loss(batch)
-        size = batch["queries"]["input_ids"].shape[0]
+        size = batch_pairs(batch)
         self.log("train_loss", loss, prog_bar=True, batch_size=size)
         if self.cfg.learnable_temperature:
             self.log("temperature", 1.0 / self.scale.detach(), batch_size=size)
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        size = batch["queries"]["input_ids"].shape[0]
+        size = batch_pairs(batch)
         self.log("val_loss", self.batch_loss(batch), prog_bar=True, batch_size=size, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
