@@ -27,13 +27,15 @@ architecture, for machines where its weights cannot be carried; `--arch-override
 
 Timing on each side runs from the end of a warm-up step to the end of the last step (data
 loading, tokenisation, forward, backward, clipping and optimiser included; model loading not).
-The machine may be shared: rounds alternate the order of the two sides (rmm first in odd rounds,
-sentence-transformers first in even ones) and the summary reports medians over rounds, and the
-median of the per-round ratios, in wall pairs/s and in pairs per CPU-second of this process.
+On CUDA every side first runs its batches once untimed (`--warmup-rounds`): a kernel's first use of
+a shape is costly there, and dynamic padding gives most batches a new shape. The machine may be
+shared: each round starts with a different side, and the summary reports medians over rounds and
+the median of the per-round ratios to sentence-transformers, in wall pairs/s and in pairs per
+CPU-second of this process.
 
     python scripts/bench_pretrain.py [--steps 10] [--rounds 3] [--baseline auto|trainer|loop]
     python scripts/bench_pretrain.py --device cuda --random-weights contriever --hard-negatives 1 --steps 30
-    python scripts/bench_pretrain.py ... --merge-passes all   # rmm in one transformer pass a step
+    python scripts/bench_pretrain.py ... --merge-passes candidates all   # two rmm sides, one baseline
     python scripts/bench_pretrain.py --random-weights contriever --hard-negatives 1 --count-ops
 """
 
@@ -41,12 +43,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -309,8 +313,12 @@ def main() -> None:
                         help="random weights of this architecture instead: contriever (BERT-base) or minilm")
     parser.add_argument("--arch-override", metavar="KEY=VALUE", nargs="*", default=[],
                         help="BertConfig fields for --random-weights (e.g. hidden_size=32)")
-    parser.add_argument("--merge-passes", choices=MERGE_PASSES, default="auto",
-                        help="rmm side: which texts share a transformer pass (PretrainConfig.merge_passes)")
+    parser.add_argument("--merge-passes", choices=MERGE_PASSES, nargs="+", default=["auto"],
+                        help="rmm sides: which texts share a transformer pass (PretrainConfig.merge_passes); "
+                             "several values time one rmm side each against the same baseline")
+    parser.add_argument("--warmup-rounds", type=int, default=None,
+                        help="untimed rounds of every side first (default: 1 on CUDA, where a kernel's first "
+                             "use of a shape is costly, 0 on CPU)")
     parser.add_argument("--count-ops", action="store_true",
                         help="print the operations one step dispatches (about one GPU kernel launch each) for "
                              "rmm's pass layouts and sentence-transformers, then exit (no timing)")
@@ -348,7 +356,6 @@ def main() -> None:
                          checkpoint=False, progress=False, accelerator="gpu" if args.device == "cuda" else "cpu",
                          devices=1, precision=precision, lr=1e-4, temperature=0.05, eval_before=False,
                          hard_negatives=args.hard_negatives, refresh_hard_negatives=False,
-                         merge_passes=args.merge_passes,
                          max_steps=args.steps + 1, output_dir=os.path.join(scratch, "out"))
     split = split_users([u for u in dataset.users if dataset.questions_of(u)], cfg.val_fraction, cfg.test_fraction,
                         cfg.seed)
@@ -369,28 +376,40 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
         return
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    layouts = list(dict.fromkeys(resolve_merge_passes(dataclasses.replace(cfg, merge_passes=m))
+                                 for m in args.merge_passes))
+    warmups = args.warmup_rounds if args.warmup_rounds is not None else int(args.device == "cuda")
     print(f"{model_label}, {len(batches) - 1} timed steps (+1 warm-up) of {args.batch_size} LoCoMo (question, gold "
           f"turn) pairs + {args.hard_negatives} hard negative(s), max_length {args.max_length}, {precision}, "
-          f"{device_name}; rmm: merge_passes {resolve_merge_passes(cfg)}; baseline: {label}", flush=True)
-    ours: list[Rate] = []
-    theirs: list[Rate] = []
+          f"{device_name}; rmm: merge_passes {', '.join(layouts)}; baseline: {label}; "
+          f"{warmups} untimed warm-up round(s)", flush=True)
+    st_name = "sentence-transformers"
+    sides: dict[str, Callable[[], Rate]] = {
+        **{f"rmm ({m})": functools.partial(rmm_round, dataclasses.replace(cfg, merge_passes=m), batches, dataset,
+                                           negatives) for m in layouts},
+        st_name: functools.partial(st_round, model_path, pairs, batches, cfg, args.device, negatives),
+    }
+    for _ in range(warmups):  # every shape each side will see, once: first-use costs are not throughput
+        for run in sides.values():
+            run()
+    rates: dict[str, list[Rate]] = {name: [] for name in sides}
+    names = list(sides)
     for round_ in range(args.rounds):
-        if round_ % 2 == 0:
-            ours.append(rmm_round(cfg, batches, dataset, negatives))
-            theirs.append(st_round(model_path, pairs, batches, cfg, args.device, negatives))
-        else:
-            theirs.append(st_round(model_path, pairs, batches, cfg, args.device, negatives))
-            ours.append(rmm_round(cfg, batches, dataset, negatives))
-        print(f"round {round_ + 1} ({'rmm first' if round_ % 2 == 0 else 'sentence-transformers first'}): "
-              f"rmm {ours[-1][0]:.2f} pairs/s wall ({ours[-1][1]:.2f} per CPU-s), sentence-transformers "
-              f"{theirs[-1][0]:.2f} pairs/s wall ({theirs[-1][1]:.2f} per CPU-s), "
-              f"ratio {ours[-1][0] / theirs[-1][0]:.2f} wall ({ours[-1][1] / theirs[-1][1]:.2f} CPU)", flush=True)
+        order = names[round_ % len(names):] + names[:round_ % len(names)]  # each side first in turn
+        for name in order:
+            rates[name].append(sides[name]())
+        figures = ", ".join(f"{name} {rates[name][-1][0]:.2f} pairs/s wall ({rates[name][-1][1]:.2f} per CPU-s)"
+                            for name in names)
+        ratios = ", ".join(f"{name} / {st_name} {rates[name][-1][0] / rates[st_name][-1][0]:.2f} wall "
+                           f"({rates[name][-1][1] / rates[st_name][-1][1]:.2f} CPU)" for name in names[:-1])
+        print(f"round {round_ + 1} ({order[0]} first): {figures}; {ratios}", flush=True)
     for index, unit in ((0, "pairs/s (wall)"), (1, "pairs per CPU-second")):
-        median_ours = statistics.median(r[index] for r in ours)
-        median_theirs = statistics.median(r[index] for r in theirs)
-        ratio = statistics.median(a[index] / b[index] for a, b in zip(ours, theirs))
-        print(f"{unit}: rmm Lightning module {median_ours:.2f}, sentence-transformers ({label}) {median_theirs:.2f}; "
-              f"median per-round ratio {ratio:.2f} (goal >= 1.0; {args.rounds} rounds)")
+        medians = ", ".join(f"{name} {statistics.median(r[index] for r in rates[name]):.2f}" for name in names)
+        ratios = ", ".join(
+            f"{name} {statistics.median(a[index] / b[index] for a, b in zip(rates[name], rates[st_name])):.2f}"
+            for name in names[:-1])
+        print(f"{unit}: {medians} ({label}); median per-round ratio to sentence-transformers: {ratios} "
+              f"(goal >= 1.0; {args.rounds} rounds)")
     shutil.rmtree(scratch, ignore_errors=True)
 
 

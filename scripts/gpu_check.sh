@@ -7,7 +7,7 @@
 # Sections, in order: environment; `pytest -m gpu`; the Triton rerank kernel vs torch eager
 # (bench_kernels.py); pretraining throughput vs sentence-transformers' trainer, Contriever
 # architecture, batch 32 + 1 hard negative, bf16, rmm in two transformer passes a step and in one
-# (merge_passes all) (bench_pretrain.py); the encoder vs
+# (merge_passes candidates, all), after a warm-up round (bench_pretrain.py); the encoder vs
 # sentence-transformers, bf16, batch 256, for the MiniLM and BERT-base (Contriever) architectures
 # (bench_encode.py); `rmm train` and `rmm pretrain` (1 epoch of contriever-a100.yaml) on CUDA with
 # wall time and peak GPU memory (cuda_peak.py); batched retrieval through `rmm serve` on CUDA,
@@ -129,8 +129,7 @@ contriever_model=(--model "$contriever")
 
 step tests "GPU-marked tests" python -m pytest -q -m gpu -rs -p no:cacheprovider tests/
 step kernels "Triton rerank kernel vs torch eager" python scripts/bench_kernels.py --device cuda --out "$work/kernels.json" --markdown "$work/kernels.md"
-step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16" python scripts/bench_pretrain.py --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 "${contriever_model[@]}"
-step pretrain-bench-one-pass "pretraining vs sentence-transformers, rmm in one transformer pass a step (merge_passes all)" python scripts/bench_pretrain.py --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --merge-passes all "${contriever_model[@]}"
+step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16; rmm with candidates sharing a pass (the CUDA default) and with one pass a step" python scripts/bench_pretrain.py --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --merge-passes candidates all "${contriever_model[@]}"
 step encode-minilm "encoder vs sentence-transformers: MiniLM-L6 ($minilm_note)" python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${minilm_args[@]}"
 step encode-contriever "encoder vs sentence-transformers: BERT-base ($contriever_note)" python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${contriever_model[@]}"
 step train "rmm train on CUDA (BERT-base, simulated citations)" python scripts/cuda_peak.py -- train --retriever "$contriever" --device cuda

@@ -34,8 +34,8 @@ def test_gpu_check_dry_run_lists_every_section_with_random_weights() -> None:
         "scripts/bench_kernels.py --device cuda",
         "scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --random-weights minilm",
         f"scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --model {contriever}",
-        f"--device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --model {contriever}",
-        f"--hard-negatives 1 --merge-passes all --model {contriever}",
+        f"--device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 "
+        f"--merge-passes candidates all --model {contriever}",
         f"scripts/cuda_peak.py -- train --retriever {contriever} --device cuda",
         f"configs/pretrain/contriever-a100.yaml epochs=1 encoder={contriever}",
         "scripts/bench_serve.py --device cuda",
@@ -154,11 +154,15 @@ def test_bench_pretrain_runs_a_random_weight_architecture_with_hard_negatives(ti
     pytest.importorskip("sentence_transformers")
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_pretrain.py"), "--data-dir",
                              str(tiny_data_dir), "--random-weights", "minilm", "--arch-override", *TINY, "--steps", "1",
-                             "--rounds", "1", "--batch-size", "2", "--hard-negatives", "1", "--baseline", "loop"],
+                             "--rounds", "1", "--batch-size", "2", "--hard-negatives", "1", "--baseline", "loop",
+                             "--merge-passes", "none", "all", "--warmup-rounds", "1"],
                             capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "random-weight MiniLM-L6" in result.stdout and "+ 1 hard negative(s)" in result.stdout
-    assert "median per-round ratio" in result.stdout
+    summary = [line for line in result.stdout.splitlines() if line.startswith("pairs/s (wall):")]
+    assert len(summary) == 1 and "rmm (none)" in summary[0] and "rmm (all)" in summary[0]
+    assert "median per-round ratio to sentence-transformers: rmm (none)" in summary[0]
+    assert "1 untimed warm-up round(s)" in result.stdout
 
 
 def test_bench_pretrain_counts_fewer_operations_with_fewer_passes(tiny_data_dir: Path) -> None:
