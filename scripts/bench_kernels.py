@@ -87,9 +87,9 @@ def copy_bandwidth(device: torch.device, repeats: int, quick: bool) -> tuple[flo
     by the host clock, and by the GPU's own (None off CUDA)."""
     n_bytes = (16 if quick else 1024) * 2**20
     buffer = torch.empty(n_bytes, dtype=torch.uint8, device=device)
-    copy = lambda: buffer.clone()
-    seconds = time_call(copy, device, max(3, repeats // 5))
-    on_device = kernel_seconds(copy, max(3, repeats // 5)) if device.type == "cuda" else None
+    copy, calls = (lambda: buffer.clone()), max(3, repeats // 5)
+    seconds = time_call(copy, device, calls)
+    on_device = kernel_seconds(copy, calls) if device.type == "cuda" else None
     return 2 * n_bytes / seconds / 1e9, (2 * n_bytes / on_device / 1e9 if on_device else None)
 
 

@@ -64,15 +64,21 @@ exec sleep 300
 """
 
 
+def path_with_python(tmp_path: Path, script: str) -> str:
+    """A PATH whose `python` is `script` (a stand-in for the real one), then the system's tools."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(script)
+    (bin_dir / "python").chmod(0o755)
+    return f"{bin_dir}:/usr/bin:/bin"
+
+
 def test_gpu_check_stopped_by_a_signal_ends_its_section_and_still_reports(tmp_path: Path) -> None:
     """`timeout N gpu_check.sh` on a lease: the running benchmark goes with it (an orphan would hold
     the caller's output open until the lease ends) and what finished is still reported."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python").write_text(FAKE_PYTHON)
-    (bin_dir / "python").chmod(0o755)
     mark, report, log = tmp_path / "started", tmp_path / "report.md", tmp_path / "progress.log"
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_MARK": str(mark), "GPU_CHECK_LOG": str(log), "HOME": str(tmp_path)}
+    env = {"PATH": path_with_python(tmp_path, FAKE_PYTHON), "FAKE_MARK": str(mark), "GPU_CHECK_LOG": str(log),
+           "HOME": str(tmp_path)}
     with subprocess.Popen(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--random-weights", str(report)],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as run:
         for _ in range(200):  # the first section (the random-weight model) is running
@@ -102,15 +108,14 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
+NO_RMM_PYTHON = '#!/bin/sh\necho "ModuleNotFoundError: No module named \'rmm\'" >&2\nexit 1\n'
+
+
 def test_gpu_check_without_rmm_installed_stops_before_measuring(tmp_path: Path) -> None:
     """Run from a bare checkout, every `python scripts/...` section would fail on `import rmm`:
     one clear refusal instead of a report of failures."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python").write_text('#!/bin/sh\necho "ModuleNotFoundError: No module named \'rmm\'" >&2\nexit 1\n')
-    (bin_dir / "python").chmod(0o755)
     result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "report.md")],
-                            env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)},
+                            env={"PATH": path_with_python(tmp_path, NO_RMM_PYTHON), "HOME": str(tmp_path)},
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2
     assert "rmm is not importable" in result.stderr and "No module named 'rmm'" in result.stderr

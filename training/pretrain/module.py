@@ -23,18 +23,23 @@ from rmm.training.pretrain_config import PretrainConfig
 MAX_LOGIT_SCALE = 100.0
 
 
+def _trains_on_cuda(cfg: PretrainConfig) -> bool:
+    """Where an `auto` setting resolves: Lightning will train on a CUDA device."""
+    return torch.cuda.is_available() and cfg.accelerator in ("auto", "gpu", "cuda")
+
+
 def resolve_precision(cfg: PretrainConfig) -> str:
     """`auto` → bf16-mixed where CUDA trains, 32-true on CPU (the trainer and the optimiser agree)."""
     if cfg.precision != "auto":
         return cfg.precision
-    return "bf16-mixed" if torch.cuda.is_available() and cfg.accelerator in ("auto", "gpu", "cuda") else "32-true"
+    return "bf16-mixed" if _trains_on_cuda(cfg) else "32-true"
 
 
 def resolve_merge_passes(cfg: PretrainConfig) -> str:
     """`auto` → candidates where CUDA trains (launches bound the step), none elsewhere (padding does)."""
     if cfg.merge_passes != "auto":
         return cfg.merge_passes
-    return "candidates" if torch.cuda.is_available() and cfg.accelerator in ("auto", "gpu", "cuda") else "none"
+    return "candidates" if _trains_on_cuda(cfg) else "none"
 
 
 def _lora_wrap(model: nn.Module, cfg: PretrainConfig) -> nn.Module:
