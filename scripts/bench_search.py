@@ -1,9 +1,15 @@
 #!/usr/bin/env python
 """Benchmark vector search: exact torch vs faiss flat / IVF / HNSW (rmm.memory.index wrappers).
 
-`torch-bfloat16` / `torch-float16` are the torch index scanning in half precision (the
-`index_precision` setting); their note gives the single-query speed-up over `torch` (float32) in
-the same run.
+`torch-bfloat16` / `torch-float16` / `torch-int8` / `torch-int4` are the torch index scanning
+in that precision (the `index_precision` setting); their note gives the single-query speed-up
+over `torch` (float32) in the same run.
+
+`--users U` builds U indexes of each size (a server's users, each with its own bank) and sends
+each query to a random one, so the scanned rows come from memory rather than the cache, as in a
+server with many users (recall is checked on the first):
+
+    python scripts/bench_search.py --sizes 10000 --users 32 --backends torch torch-int8 torch-int4 --threads 1
 
 For each size: random unit-norm float32 vectors (default 384-d, the MiniLM size), build each
 index, then time single-query search (p50 over `--queries` queries) and batch-64 search (time per
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import random
 import statistics
 import sys
 import time
@@ -56,16 +63,21 @@ def make_data(n: int, dim: int, kind: str, rng: np.random.Generator, centres: np
     return out
 
 
-def time_queries(index: VectorIndex, queries: torch.Tensor, k: int) -> tuple[float, float]:
-    index.search(queries[:2], k)  # warm-up (allocations, GPU replica, caches)
+def time_queries(indexes: list[VectorIndex], queries: torch.Tensor, k: int, seed: int) -> tuple[float, float]:
+    """(median ms of one query, ms per query in batches of 64), each search on a random one of
+    `indexes` (the same sequence for every backend)."""
+    for index in indexes:
+        index.search(queries[:2], k)  # warm-up (allocations, GPU replica, packed layouts)
+    pick = random.Random(seed)
     single = []
     for i in range(queries.shape[0]):
+        index = indexes[pick.randrange(len(indexes))]
         t0 = time.perf_counter()
         index.search(queries[i : i + 1], k)
         single.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     for start in range(0, queries.shape[0], 64):
-        index.search(queries[start : start + 64], k)
+        indexes[pick.randrange(len(indexes))].search(queries[start : start + 64], k)
     batch = (time.perf_counter() - t0) / queries.shape[0]
     return statistics.median(single) * 1e3, batch * 1e3
 
@@ -93,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         help="skip an HNSW build whose time, extrapolated (n log n) from the previous size, exceeds this",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch and faiss (OpenMP) threads; default: theirs")
+    parser.add_argument("--users", type=int, default=1,
+                        help="indexes per size, each query to a random one (their rows no longer fit the cache)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.threads is not None:
@@ -102,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         faiss.omp_set_num_threads(args.threads)
 
     print(f"# torch {torch.__version__} ({torch.get_num_threads()} threads), data={args.data}, dim={args.dim}, "
-          f"k={args.k}, queries={args.queries}, device={args.device}", flush=True)
+          f"k={args.k}, queries={args.queries}, device={args.device}, users={args.users}", flush=True)
     print(f"# ivf: nlist={'sqrt(n)' if args.nlist is None else args.nlist}, nprobe={args.nprobe}; "
           f"hnsw: M={args.hnsw_m}, efConstruction={args.ef_construction}, efSearch={args.ef_search}", flush=True)
     rng = np.random.default_rng(args.seed)
@@ -114,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         queries = torch.from_numpy(make_data(args.queries, args.dim, args.data, rng, centres))
         ids = [str(i) for i in range(n)]
         vectors = torch.from_numpy(data)
+        others = [torch.from_numpy(make_data(n, args.dim, args.data, rng, centres)) for _ in range(args.users - 1)]
         truth: list[list[str]] | None = None
         for backend in args.backends:
             row = Row(n, backend)
@@ -126,24 +141,29 @@ def main(argv: list[str] | None = None) -> int:
                                 f"(> --hnsw-budget-s {args.hnsw_budget_s:.0f})")
                     print(f"  {n:>9,} {backend:<11} {row.note}", flush=True)
                     continue
-            if backend.startswith("torch"):
-                precision = backend.removeprefix("torch").removeprefix("-") or "float32"
-                index: VectorIndex = TorchIndex(args.dim, device=args.device, precision=precision)
-            else:
-                kind = backend.removeprefix("faiss-")
-                index = FaissIndex(
-                    args.dim, kind, nlist=args.nlist, nprobe=args.nprobe, hnsw_m=args.hnsw_m,
-                    ef_construction=args.ef_construction, ef_search=args.ef_search, seed=args.seed,
+            def new_index() -> VectorIndex:
+                if backend.startswith("torch"):
+                    precision = backend.removeprefix("torch").removeprefix("-") or "float32"
+                    return TorchIndex(args.dim, device=args.device, precision=precision)
+                return FaissIndex(
+                    args.dim, backend.removeprefix("faiss-"), nlist=args.nlist, nprobe=args.nprobe,
+                    hnsw_m=args.hnsw_m, ef_construction=args.ef_construction, ef_search=args.ef_search, seed=args.seed,
                 )
+
+            index = new_index()
             t0 = time.perf_counter()
             index.add(ids, vectors)
             row.build_s = time.perf_counter() - t0
+            indexes = [index]
+            for other in others:  # the other users' banks (not timed: the build figure is the first's)
+                indexes.append(new_index())
+                indexes[-1].add(ids, other)
             if backend == "faiss-hnsw":
                 last_hnsw = (n, row.build_s)
             if backend == "faiss-ivf":
                 row.note = (f"nlist={index.nlist}, trained on {min(n, 64 * (index.nlist or 0)):,}"
                             if index.is_trained_ivf else "below train_threshold: exact flat fallback")
-            row.p50_ms, row.batch_ms = time_queries(index, queries, args.k)
+            row.p50_ms, row.batch_ms = time_queries(indexes, queries, args.k, args.seed)
             float32 = next((r for r in rows if r.size == n and r.backend == "torch" and r.p50_ms), None)
             if backend.startswith("torch-") and float32 is not None and float32.p50_ms and float32.batch_ms:
                 row.note = (f"{float32.p50_ms / row.p50_ms:.2f}x float32 (1 q), "
@@ -155,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {n:>9,} {backend:<11} build {row.build_s:8.2f}s  p50 {row.p50_ms:8.3f} ms  "
                   f"batch64 {row.batch_ms:8.3f} ms/q  recall@{args.k} "
                   f"{'-' if row.recall is None else f'{row.recall:.3f}'}  {row.note}", flush=True)
-            del index
+            del index, indexes
             gc.collect()
-        del data, vectors, ids, queries
+        del data, vectors, ids, queries, others
         gc.collect()
 
     print()

@@ -11,10 +11,10 @@ Two settings (`--setting`):
   with precomputed embeddings in a bank that records the MiniLM encoder. Queries are real LoCoMo
   questions, encoded by the server's MiniLM query path, each for a random one of the 32 users, so
   every micro-batch searches many users' 10k-row matrices. Search results are meaningless; the
-  cost of every step is not. The server scans an int8 copy of each matrix (`index_precision: int8`,
+  cost of every step is not. The server scans 4-bit codes of each matrix (`index_precision: int4`,
   a shortlist re-scored exactly in float32: LoCoMo recall unchanged and no true top-20 member
-  missed in a 5,882-row bank, scripts/recall_index_precision.py; a quarter of float32's bytes);
-  `--set index_precision='"float16"'` (or `"float32"`) compares.
+  missed in a 5,882-row bank, scripts/recall_index_precision.py; 0.6x int8's bytes, 0.16x
+  float32's); `--set index_precision='"int8"'` (or `"float16"`, `"float32"`) compares.
 
 The bench's own bank starts every run without the selections earlier runs left pending (each
 holds its candidates' embeddings; gigabytes after a few dozen runs). The server runs in a
@@ -25,8 +25,8 @@ server, so it must be cheap: its CPU time per request and share of a core are pr
 throughput, p50/p99 latency, mean server-side batch size, the server's CPU time per request (a
 figure other processes on the machine inflate far less than wall time), errors, the 1-minute
 load average, then the batching on / off throughput ratio and both p99s. `--profile DIR` records
-the server with py-spy during each timed run and prints its top functions. Exits 1 if any
-request failed.
+the server and its query-encoder process with py-spy during each timed run and prints their top
+functions. Exits 1 if any request failed.
 
     python scripts/bench_serve.py                                # LoCoMo: 1, 8, 32 clients, 8 s each
     python scripts/bench_serve.py --setting goal --duration 30   # 32 users x 10k memories, 32 clients
@@ -283,8 +283,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def start_profile(pid: int, duration: float, out: Path) -> subprocess.Popen | None:
-    """`py-spy record` of the server for the timed window (raw collapsed stacks), or None without
-    py-spy. Non-blocking sampling at 50 Hz: the profiler shares the cores with the server."""
+    """`py-spy record` of the server and its child processes (the query encoder's) for the timed
+    window (raw collapsed stacks), or None without py-spy. Non-blocking sampling at 50 Hz: the
+    profiler shares the cores with the server."""
     import shutil
 
     exe = shutil.which("py-spy")
@@ -292,7 +293,8 @@ def start_profile(pid: int, duration: float, out: Path) -> subprocess.Popen | No
         print("  (py-spy not found: pip install py-spy; no profile)", flush=True)
         return None
     return subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(max(1, round(duration))),
-                             "--rate", "50", "--nonblocking", "--threads", "--format", "raw", "--output", str(out)],
+                             "--rate", "50", "--nonblocking", "--threads", "--subprocesses", "--format", "raw",
+                             "--output", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -379,8 +381,8 @@ def main() -> int:
     goal = args.setting == "goal"
     args.clients = args.clients or ([32] if goal else [1, 8, 32])
     extra = {key: json.loads(value) for key, _, value in (s.partition("=") for s in args.settings)}
-    if goal:  # 10k rows per user outgrow the cache: an int8 scan (re-scored in float32) reads a quarter of the bytes
-        extra.setdefault("index_precision", "int8")
+    if goal:  # 10k rows per user outgrow the cache: a 4-bit scan (re-scored in float32) reads a sixth of the bytes
+        extra.setdefault("index_precision", "int4")
     if goal:
         default_bank = cache_dir() / "bench-serve" / f"synthetic-{args.users}x{args.per_user}-minilm"
         what = f"{args.users} users x {args.per_user} synthetic memories (random unit vectors), LoCoMo questions"

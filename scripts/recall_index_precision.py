@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""What a half-precision or int8 torch index (`index_precision: bfloat16|float16|int8`) costs in recall and buys in speed.
+"""What a half-precision, int8 or int4 torch index (`index_precision: bfloat16|float16|int8|int4`) costs
+in recall and buys in speed.
 
 Recall@K on LoCoMo (turn granularity, `rmm eval`'s runner and headline: categories 1-4) with the
 real MiniLM bank: the same stored float32 vectors and the same query vectors, searched by a
@@ -69,7 +70,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--encoder", default="minilm")
     parser.add_argument("--ks", type=int, nargs="+", default=[5, 10, 20])
-    parser.add_argument("--precisions", nargs="+", default=["bfloat16", "float16", "int8"])
+    parser.add_argument("--precisions", nargs="+", default=["bfloat16", "float16", "int8", "int4"])
     parser.add_argument("--max-drop", type=float, default=0.5, help="points of recall half precision may lose")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data-dir", help="benchmark data (default: $RMM_DATA_DIR / the shared data folder)")

@@ -8,7 +8,7 @@ import torch
 from rmm.memory.index import TorchIndex
 
 
-@pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16", "int8", "int4"])
 def test_batched_rows_match_single_row_searches(precision: str) -> None:
     generator = torch.Generator().manual_seed(3)
     vectors = torch.nn.functional.normalize(torch.randn(3000, 64, generator=generator), dim=1)

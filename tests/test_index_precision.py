@@ -1,4 +1,4 @@
-"""TorchIndex in half precision or int8: same answers as float32 (exact re-score of a shortlist)."""
+"""TorchIndex in half precision, int8 or int4: same answers as float32 (exact re-score of a shortlist)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def unit(n: int, d: int, seed: int) -> torch.Tensor:
     return torch.nn.functional.normalize(torch.randn(n, d, generator=torch.Generator().manual_seed(seed)), dim=1)
 
 
-@pytest.mark.parametrize("precision", ["float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "int8", "int4"])
 def test_half_precision_search_matches_float32(precision: str) -> None:
     vectors, queries = unit(3000, 64, 0), unit(40, 64, 1)
     ids = [f"m{i}" for i in range(len(vectors))]
@@ -55,8 +55,8 @@ def test_precision_survives_save_and_load_and_is_checked(tmp_path: Path) -> None
     loaded = load_index(tmp_path / "i.safetensors", device="cpu")
     assert isinstance(loaded, TorchIndex) and loaded.precision == "bfloat16"
     assert torch.equal(loaded.vectors(["a", "b"]), index.vectors(["a", "b"]))
-    with pytest.raises(ValueError, match="unknown index precision 'int4'"):
-        TorchIndex(8, precision="int4")
+    with pytest.raises(ValueError, match="unknown index precision 'int2'"):
+        TorchIndex(8, precision="int2")
     with pytest.raises(ValueError, match="no options but 'precision'"):
         make_index("torch", 8, nprobe=4)
 
@@ -79,6 +79,46 @@ def test_int8_scan_keeps_one_scale_per_row_through_growth_and_removal() -> None:
     assert index.search(queries, 10)[1] == exact.search(queries, 10)[1]
 
 
-def test_int8_needs_the_cpu_and_a_dimension_its_kernel_takes() -> None:
+def test_int8_and_int4_need_the_cpu_and_a_dimension_their_kernels_take() -> None:
     with pytest.raises(ValueError, match="divisible by 16"):
         TorchIndex(24, device="cpu", precision="int8")
+    with pytest.raises(ValueError, match="'int4' needs the CPU and a dimension divisible by 32"):
+        TorchIndex(48, device="cpu", precision="int4")
+
+
+def test_int4_codes_dequantize_within_half_a_step_of_each_group() -> None:
+    vectors = unit(130, 64, 8) * torch.linspace(0.1, 10, 130)[:, None]
+    index = TorchIndex(64, device="cpu", precision="int4")
+    index.add([f"m{i}" for i in range(130)], vectors)
+    scale, zero = (index._scan_scale[:130, :, part].float() for part in (0, 1))  # [rows, groups]
+    codes = index._scan[:130].float().view(130, 2, 32)
+    dequantized = ((codes - 8) * scale[..., None] + zero[..., None]).view(130, 64)
+    groups = vectors.view(130, 2, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    assert bool(((dequantized - vectors).view(130, 2, 32).abs() <= 0.51 * step[..., None] * 1.02).all())
+
+
+def test_int4_repacks_only_what_writes_touched_and_answers_like_float32() -> None:
+    """Searches between writes of every shape (appends that fill a 64-row block or not, removals
+    that move the last row into a hole in an early block) find what float32 finds, and the packed
+    rows are always those a fresh pack of the codes gives."""
+    generator = torch.Generator().manual_seed(9)
+    index, exact = TorchIndex(64, device="cpu", precision="int4"), TorchIndex(64, device="cpu")
+    queries = unit(4, 64, 10)
+    added = 0
+    for step, (new, removed) in enumerate([(10, []), (60, []), (64, []), (1, ["m3"]), (0, ["m130", "m1"]),
+                                           (200, []), (0, [f"m{i}" for i in range(40, 110)])]):
+        vectors = torch.nn.functional.normalize(torch.randn(new, 64, generator=generator), dim=1)
+        ids = [f"m{added + i}" for i in range(new)]
+        added += new
+        for target in (index, exact):
+            if new:
+                target.add(ids, vectors)
+            if removed:
+                target.remove(removed)
+        assert index.search(queries, 10)[1] == exact.search(queries, 10)[1], step
+        whole = len(index) // 64 * 64
+        if whole:
+            fresh = torch.ops.aten._convert_weight_to_int4pack_for_cpu(index._scan[:whole].to(torch.int32), 1)
+            assert index._packed is not None and torch.equal(index._packed[0], fresh), step
+    assert len(index) == 335 - 73

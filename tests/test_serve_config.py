@@ -51,7 +51,7 @@ def test_api_keys_from_yaml_env_and_key_file(tmp_path: Path) -> None:
     ({"bank": "b", "scope": "world"}, {}, "scope must be one of"),
     ({"bank": "b", "scope": "bank", "retriever": "bm25"}, {}, "retriever: bm25 (a text ranking) cannot use"),
     ({"bank": "b", "index_backend": "annoy"}, {}, "index_backend 'annoy' is not one of"),
-    ({"bank": "b", "index_precision": "int4"}, {}, "index_precision 'int4' is not one of"),
+    ({"bank": "b", "index_precision": "int2"}, {}, "index_precision 'int2' is not one of"),
     ({"bank": "b", "index_precision": "bfloat16", "index_backend": "faiss-flat"}, {},
      "index_precision 'bfloat16' is for the torch index of a bank folder"),
     ({"bank": "b", "batching.max_batch": 0}, {}, "batching.max_batch must be >= 1"),

@@ -222,6 +222,9 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path: 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="query_process: on encodes queries in a CPU process"):
         config(device="cuda", query_process="on")
+    for precision in ("int8", "int4"):
+        with pytest.raises(ConfigError, match=f"index_precision '{precision}' scans on the CPU"):
+            config(device="cuda", index_precision=precision)
     monkeypatch.undo()
 
     class OddSize(BagOfWordsEncoder):
@@ -229,6 +232,8 @@ def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path: 
 
     with pytest.raises(ConfigError, match="divisible by 16; odd has 20"):
         RetrievalService(config(device="cpu", index_precision="int8"), encoder=OddSize())
+    with pytest.raises(ConfigError, match="'int4' needs an embedding size divisible by 32; odd has 20"):
+        RetrievalService(config(device="cpu", index_precision="int4"), encoder=OddSize())
     assert not (tmp_path / "bank").exists()  # refused before the bank was opened
 
 

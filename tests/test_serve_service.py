@@ -125,9 +125,9 @@ def test_bank_scope_searches_with_the_learned_query(tmp_path: Path) -> None:
         service.close()
 
 
-def test_a_bfloat16_or_int8_index_retrieves_what_float32_does(tmp_path: Path) -> None:
+def test_a_bfloat16_int8_or_int4_index_retrieves_what_float32_does(tmp_path: Path) -> None:
     ranked = {}
-    for precision in ("float32", "bfloat16", "int8"):
+    for precision in ("float32", "bfloat16", "int8", "int4"):
         service = make_service(tmp_path / precision, index_precision=precision)
         try:
             service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
@@ -138,7 +138,7 @@ def test_a_bfloat16_or_int8_index_retrieves_what_float32_does(tmp_path: Path) ->
                                  for shown in (one(service, "ana", q, k=3, m=3) for q in queries)]
         finally:
             service.close()
-    assert ranked["bfloat16"] == ranked["float32"] == ranked["int8"]
+    assert ranked["bfloat16"] == ranked["float32"] == ranked["int8"] == ranked["int4"]
     assert all(matches for matches in ranked["float32"])  # something matched: the comparison has content
 
 

@@ -135,7 +135,8 @@ class ServeConfig:
     port: int = 8080
     encoder: str = "minilm"
     index_backend: str = "torch"
-    # float32 | bfloat16 | float16 | int8 (CPU): the dtype the torch index scans (a shortlist is re-scored in float32)
+    # float32 | bfloat16 | float16 | int8 | int4 (the last two CPU only): what the torch index scans (a shortlist
+    # is re-scored in float32)
     index_precision: str = "float32"
     device: str = "auto"
     torch_threads: int | None = None  # intra-op CPU threads (None: torch's default, one per core)
@@ -223,7 +224,7 @@ class ServeConfig:
             raise ConfigError(f"reload_interval_s must be in (0, 2] seconds, got {self.reload_interval_s}")
         if not self.job_lease_s > 0:
             raise ConfigError(f"job_lease_s must be > 0, got {self.job_lease_s}")
-        from rmm.memory.index import BACKENDS, PRECISIONS
+        from rmm.memory.index import BACKENDS, CPU_PRECISIONS, PRECISIONS
 
         if self.index_backend not in BACKENDS:
             raise ConfigError(f"index_backend {self.index_backend!r} is not one of {list(BACKENDS)}")
@@ -232,13 +233,14 @@ class ServeConfig:
         if self.index_precision != "float32" and (self.index_backend != "torch" or self.store):
             raise ConfigError(f"index_precision {self.index_precision!r} is for the torch index of a bank folder "
                               f"(index_backend is {self.index_backend!r}{', store is a database' if self.store else ''})")
-        if self.index_precision == "int8" or self.query_process == "on":  # settings that only work on the CPU
+        cpu_scan = self.index_precision in CPU_PRECISIONS
+        if cpu_scan or self.query_process == "on":  # settings that only work on the CPU
             from rmm.device import resolve_device
 
             on_cpu = resolve_device(self.device).type == "cpu"
-            if self.index_precision == "int8" and not on_cpu:
-                raise ConfigError(f"index_precision 'int8' scans on the CPU; device {self.device!r} is not one "
-                                  "(use float16 or bfloat16 there)")
+            if cpu_scan and not on_cpu:
+                raise ConfigError(f"index_precision {self.index_precision!r} scans on the CPU; device {self.device!r} "
+                                  "is not one (use float16 or bfloat16 there)")
             if self.query_process == "on" and not on_cpu:
                 raise ConfigError(f"query_process: on encodes queries in a CPU process; device {self.device!r} is "
                                   "not the CPU (use auto or off there)")

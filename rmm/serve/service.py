@@ -31,7 +31,7 @@ import torch
 
 from rmm.errors import ConfigError
 from rmm.memory.bank import EncoderLike, MemoryBank
-from rmm.memory.index import INT8_DIM_MULTIPLE
+from rmm.memory.index import CPU_PRECISIONS
 from rmm.memory.sessions import SessionLog
 from rmm.policy.learner import Learner, is_normalized_encoder
 from rmm.policy.registry import SHARED, LearnerRegistry, checkpoint_exists
@@ -95,9 +95,10 @@ class RetrievalService:
             from rmm.encoders import load_encoder
 
             encoder = load_encoder(config.encoder, device=config.device)
-        if config.index_precision == "int8" and int(encoder.dim) % INT8_DIM_MULTIPLE:
-            raise ConfigError(f"index_precision 'int8' needs an embedding size divisible by {INT8_DIM_MULTIPLE}; "
-                              f"{encoder.name} has {encoder.dim} (use float16)")
+        multiple = CPU_PRECISIONS.get(config.index_precision)
+        if multiple and int(encoder.dim) % multiple:
+            raise ConfigError(f"index_precision {config.index_precision!r} needs an embedding size divisible by "
+                              f"{multiple}; {encoder.name} has {encoder.dim} (use float16)")
         self.query_process: ProcessQueryEncoder | None = None
         on_cpu = getattr(encoder, "device", torch.device("cpu")).type == "cpu"
         if config.query_process == "on" or (config.query_process == "auto" and loads_encoder and on_cpu):
