@@ -63,6 +63,16 @@ def make_data(n: int, dim: int, kind: str, rng: np.random.Generator, centres: np
     return out
 
 
+def new_index(backend: str, args: argparse.Namespace) -> VectorIndex:
+    """An empty index of `backend` (`torch[-PRECISION]` or `faiss-KIND`) with the command's options."""
+    if backend.startswith("torch"):
+        precision = backend.removeprefix("torch").removeprefix("-") or "float32"
+        return TorchIndex(args.dim, device=args.device, precision=precision)
+    return FaissIndex(args.dim, backend.removeprefix("faiss-"), nlist=args.nlist, nprobe=args.nprobe,
+                      hnsw_m=args.hnsw_m, ef_construction=args.ef_construction, ef_search=args.ef_search,
+                      seed=args.seed)
+
+
 def time_queries(indexes: list[VectorIndex], queries: torch.Tensor, k: int, seed: int) -> tuple[float, float]:
     """(median ms of one query, ms per query in batches of 64), each search on a random one of
     `indexes` (the same sequence for every backend)."""
@@ -141,22 +151,13 @@ def main(argv: list[str] | None = None) -> int:
                                 f"(> --hnsw-budget-s {args.hnsw_budget_s:.0f})")
                     print(f"  {n:>9,} {backend:<11} {row.note}", flush=True)
                     continue
-            def new_index() -> VectorIndex:
-                if backend.startswith("torch"):
-                    precision = backend.removeprefix("torch").removeprefix("-") or "float32"
-                    return TorchIndex(args.dim, device=args.device, precision=precision)
-                return FaissIndex(
-                    args.dim, backend.removeprefix("faiss-"), nlist=args.nlist, nprobe=args.nprobe,
-                    hnsw_m=args.hnsw_m, ef_construction=args.ef_construction, ef_search=args.ef_search, seed=args.seed,
-                )
-
-            index = new_index()
+            index = new_index(backend, args)
             t0 = time.perf_counter()
             index.add(ids, vectors)
             row.build_s = time.perf_counter() - t0
             indexes = [index]
             for other in others:  # the other users' banks (not timed: the build figure is the first's)
-                indexes.append(new_index())
+                indexes.append(new_index(backend, args))
                 indexes[-1].add(ids, other)
             if backend == "faiss-hnsw":
                 last_hnsw = (n, row.build_s)

@@ -259,9 +259,9 @@ class TorchIndex(VectorIndex):
     `int8` (CPU only) scans rows quantized with one scale each against a bfloat16 query: half of
     float16's bytes and a faster kernel (`scripts/recall_index_precision.py`). `int4` (CPU only)
     scans 4-bit codes with a scale and zero per 32 dimensions (torch's int4 matrix-vector kernel,
-    the one LLM decoding uses): a search reads 0.6x int8's bytes, and on 10k-row banks that
-    outgrow the cache its scan takes half of int8's time (the whole search 1.2-1.4x less,
-    `scripts/bench_search.py`). It holds more memory than int8 (the codes one per byte, for
+    the one LLM decoding uses): a search reads 0.6x int8's bytes; one query over 32 users'
+    10k-row banks took 0.69 ms against int8's 1.09 (`scripts/bench_search.py --users 32`), one
+    hot bank 1.1-1.4x less. It holds more memory than int8 (the codes one per byte, for
     writes, beside the packed copy the kernel reads), rebuilt lazily, 64 rows at a time, for the
     rows a write touched; the last partial block is scored in float32.
     """
@@ -435,7 +435,8 @@ def _int4_rows(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     low = groups.amin(dim=-1)
     scale = ((groups.amax(dim=-1) - low).clamp(min=1e-12) / 15.0).to(torch.bfloat16)
     zero = (low + 8 * scale.float()).to(torch.bfloat16)
-    codes = torch.round((groups - (zero.float() - 8 * scale.float())[..., None]) / scale.float()[..., None])
+    step = scale.float()[..., None]  # the rounded scale and zero the kernel reads, code 0 at zero - 8 * scale
+    codes = torch.round((groups - (zero.float()[..., None] - 8 * step)) / step)
     return torch.stack([scale, zero], dim=-1), codes.clamp(0, 15).to(torch.uint8).reshape(rows, dim)
 
 
