@@ -59,3 +59,7 @@ class ConfigError(RmmError, ValueError):
 
 class DeviceUnavailableError(RmmError, RuntimeError):
     """A device was asked for by name (`cuda`, `cuda:1`) that this machine does not have."""
+
+
+class EncoderUnavailableError(RmmError):
+    """The query encoder's process died (the request may be retried: the next one starts a new process)."""

@@ -125,7 +125,7 @@ def server_query_paths(encoder: Any, questions: list[str], repeats: int, cache: 
     shuffled questions, alternated `repeats` times so a change in load hits both: best CPU ms/query."""
     import random
 
-    from rmm.serve.query_encoder import Int8QueryEncoder
+    from rmm.encoders.query.precision import Int8QueryEncoder
 
     order = questions[:]
     random.Random(0).shuffle(order)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """The server's query encoder paths on the CPU, per query: float32, int8 padded (each query padded
 to a multiple of 8 tokens, one forward per padded length), int8 packed (the server's default for
-BERT encoders: a micro-batch's tokens unpadded, one pass; `rmm.serve.packed_bert`), the same with
+BERT encoders: a micro-batch's tokens unpadded, one pass; `rmm.encoders.query.packed_bert`), the same with
 every linear layer on `torch._int_mm` instead of oneDNN's prepacked int8 kernel (`int8 _int_mm`:
-what `rmm.serve.int8_linear` gains from that kernel; the vectors are the same to the bit) and, when
+what `rmm.encoders.query.int8_linear` gains from that kernel; the vectors are the same to the bit) and, when
 onnxruntime is installed, `int8-onnx`.
 
 LoCoMo questions in micro-batches of each `--batch` size (1 is a query alone, as the server
@@ -29,8 +29,8 @@ import torch
 
 from rmm.data import load_dataset
 from rmm.encoders import load_encoder
-from rmm.serve import int8_linear
-from rmm.serve.query_encoder import Int8QueryEncoder
+from rmm.encoders.query import int8_linear
+from rmm.encoders.query.precision import Int8QueryEncoder
 
 
 def cpu_ms_per_query(encode: Callable[[list[str]], torch.Tensor], batches: list[list[str]]) -> float:

@@ -9,7 +9,7 @@ shows). Prints each kind's throughput with two processes relative to one.
 
 Then the GIL: 300 small torch ops in one thread, alone and beside a thread running pure Python.
 Each op hands the GIL back and takes it again, so beside a thread that holds it they crawl — why
-the server encodes queries in a child process (`rmm.serve.query_process`).
+the server encodes queries in a child process (`rmm.encoders.query.process`).
 
     python scripts/probe_parallel_cores.py
 """

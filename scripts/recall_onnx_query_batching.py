@@ -34,7 +34,7 @@ from recall_query_batching import alone_vs_batched
 from recall_query_encoder import locomo_turn_bank
 
 from rmm.encoders.onnx_backend import OnnxRunner, export_onnx
-from rmm.serve.query_encoder import Int8QueryEncoder, query_encoder
+from rmm.encoders.query.precision import Int8QueryEncoder, query_encoder
 
 
 class RunnerQueries:

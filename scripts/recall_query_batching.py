@@ -30,7 +30,7 @@ import torch
 from recall_query_encoder import locomo_turn_bank
 
 from rmm.eval.retrieval import evaluate
-from rmm.serve.query_encoder import Int8QueryEncoder
+from rmm.encoders.query.precision import Int8QueryEncoder
 
 
 class Precomputed:

@@ -24,7 +24,7 @@ import torch
 from rmm.data import load_dataset
 from rmm.eval.benchmark_bank import open_retriever
 from rmm.eval.retrieval import evaluate
-from rmm.serve.query_encoder import Int8QueryEncoder
+from rmm.encoders.query.precision import Int8QueryEncoder
 
 
 def locomo_turn_bank(encoder_name: str, data_dir: str | None, threads: int):

@@ -7,6 +7,8 @@ call time is still a dependency running the wrong way).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,8 @@ LAYERS: dict[str, int] = {
     "rmm.eval": 6,
     "rmm.cli": 7, "rmm.serve": 7, "rmm.training": 7,
 }
-# The package face re-exports records and installs the deprecated-path finder; `python -m rmm`.
-UNLAYERED = {"rmm", "rmm._compat", "rmm.__main__"}
+# The package face re-exports records; `python -m rmm`.
+UNLAYERED = {"rmm", "rmm.__main__"}
 
 SOURCE_ROOTS = {"rmm": "rmm", "training": "rmm.training", "kernels": "rmm.kernels"}
 
@@ -88,8 +90,41 @@ def test_llm_and_prompts_do_not_import_each_other(folder: str) -> None:
     assert not offending, "\n".join(offending)
 
 
+def test_import_rmm_installs_no_finder_and_keeps_no_old_paths() -> None:
+    """Nothing was released before the grouping by concept, so no module answers at a 0.1 path and
+    `import rmm` leaves `sys.meta_path` alone (a fresh interpreter: this one has imported plenty)."""
+    code = ("import importlib, sys\n"
+            "before = list(sys.meta_path)\n"
+            "import rmm\n"
+            "assert sys.meta_path == before, sys.meta_path\n"
+            "for old in ('rmm.bank', 'rmm.learner', 'rmm.agent', 'rmm.eval.goal_recall', 'rmm.cli.eval_goal'):\n"
+            "    try:\n"
+            "        importlib.import_module(old)\n"
+            "    except ModuleNotFoundError:\n"
+            "        continue\n"
+            "    raise AssertionError(old + ' still imports')\n")
+    result = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from rmm.frontends.agent import Agent\n")
     ((_, target),) = [(line, t) for line, t in _imports(module) if t == "rmm.frontends.agent"]
     assert _layer(target) == 5 > _layer("rmm.memory.bank") == 2
+
+
+def test_serve_holds_no_encoder_code() -> None:
+    """`rmm.serve` is HTTP, the service and its stores: a model, a kernel or a query engine lives in
+    `rmm.encoders` (the query path on a CPU in `rmm.encoders.query`)."""
+    offending = []
+    for path in sorted((ROOT / "rmm" / "serve").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "nn" for a in node.names):
+                offending.append(f"{path.relative_to(ROOT)}:{node.lineno} imports torch.nn")
+            elif isinstance(node, ast.Import) and any(a.name.startswith("torch.nn") for a in node.names):
+                offending.append(f"{path.relative_to(ROOT)}:{node.lineno} imports torch.nn")
+            elif isinstance(node, ast.ClassDef) and any(ast.unparse(base).endswith("Module") for base in node.bases):
+                offending.append(f"{path.relative_to(ROOT)}:{node.lineno} defines a torch module {node.name}")
+    assert not offending, "\n".join(offending)

@@ -18,7 +18,7 @@ from rmm.encoders.onnx_backend import (
 )
 from rmm.errors import ConfigError
 from rmm.serve.config import load_config
-from rmm.serve.query_encoder import Int8QueryEncoder, query_encoder
+from rmm.encoders.query.precision import Int8QueryEncoder, query_encoder
 
 pytest.importorskip("onnxruntime")  # the optional rmm[onnx] extra (in dev)
 pytest.importorskip("onnx")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from fakes import write_tiny_bert
 
-from rmm.serve.int8_linear import quantize_linears
-from rmm.serve.packed_bert import PackedInt8Bert, packable, unpack
-from rmm.serve.query_encoder import Int8QueryEncoder
+from rmm.encoders.query.int8_linear import quantize_linears
+from rmm.encoders.query.packed_bert import PackedInt8Bert, packable, unpack
+from rmm.encoders.query.precision import Int8QueryEncoder
 
 QUERIES = ["Hi", "Where does she hike?", "Which instrument does Ana play in the community orchestra on Fridays?",
            "Dog?", "Who bakes bread?", "What did Ana say about the rehearsal last Thursday with her friends?"]

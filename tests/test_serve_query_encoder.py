@@ -10,8 +10,8 @@ from fakes import BagOfWordsEncoder
 
 from rmm.errors import ConfigError
 from rmm.serve.config import load_config
-from rmm.serve.int8_linear import quantize_rows
-from rmm.serve.query_encoder import Int8QueryEncoder, RowInt8Linear, query_encoder
+from rmm.encoders.query.int8_linear import quantize_rows
+from rmm.encoders.query.precision import Int8QueryEncoder, RowInt8Linear, query_encoder
 
 FACTS = ["Ana hikes mountain trails every weekend", "Ana bakes sourdough bread on Sundays",
          "Ana plays cello in a community orchestra", "Ana adopted a golden retriever puppy"]
@@ -98,7 +98,7 @@ def test_rows_are_quantized_by_their_largest_magnitude() -> None:
 def test_packed_matmuls_see_few_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN builds a kernel per row count: micro-batches of 33-64 rows reach it as 48 or 64 rows
     (zero rows padded on, their outputs dropped), and each row's result is the unpadded one."""
-    from rmm.serve import int8_linear
+    from rmm.encoders.query import int8_linear
 
     torch.manual_seed(3)
     quantized = RowInt8Linear(torch.nn.Linear(64, 32))

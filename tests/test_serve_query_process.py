@@ -14,10 +14,10 @@ import torch
 from fakes import BagOfWordsEncoder, write_tiny_bert
 
 from rmm.errors import ConfigError
-from rmm.serve.errors import EncoderUnavailableError
+from rmm.errors import EncoderUnavailableError
 from rmm.serve.http_errors import error_response
-from rmm.serve.query_encoder import query_encoder
-from rmm.serve.query_process import ProcessQueryEncoder, QueryProcessSpec
+from rmm.encoders.query.precision import query_encoder
+from rmm.encoders.query.process import ProcessQueryEncoder, QueryProcessSpec
 
 QUERIES = ["Where does she hike?", "Who bakes bread on Sundays with her sister?", "Dog?"]
 
@@ -100,7 +100,7 @@ def test_a_failing_call_raises_its_error_and_the_child_stays(folders) -> None:
 
 def test_passages_are_not_held_up_by_a_query_call(folders) -> None:
     """The server's LockedEncoder must not hold its lock while the child works (or restarts)."""
-    from rmm.serve.locked_encoder import LockedEncoder
+    from rmm.encoders.query.locked import LockedEncoder
 
     local = local_encoder(folders[0])
     encoder = ProcessQueryEncoder(local, QueryProcessSpec(str(folders[0]), "int8", 1))
@@ -184,8 +184,8 @@ def test_the_child_leaves_when_the_server_is_killed(tmp_path: Path, folders) -> 
     script.write_text(
         "import os, sys, time\n"
         "from rmm.encoders import load_encoder\n"
-        "from rmm.serve.query_encoder import query_encoder\n"
-        "from rmm.serve.query_process import ProcessQueryEncoder, QueryProcessSpec\n"
+        "from rmm.encoders.query.precision import query_encoder\n"
+        "from rmm.encoders.query.process import ProcessQueryEncoder, QueryProcessSpec\n"
         "if __name__ == '__main__':\n"
         f"    local = query_encoder(load_encoder({str(folders[0])!r}, device='cpu'), 'int8')\n"
         f"    encoder = ProcessQueryEncoder(local, QueryProcessSpec({str(folders[0])!r}, 'int8', 1))\n"

@@ -3,7 +3,7 @@
 Why only as an int8 graph for queries: measured on all-MiniLM-L6-v2 at one CPU thread
 (`scripts/bench_onnx_encoder.py`), ONNX Runtime's float32 is 1.0-1.14x torch's oneDNN path on the
 topic fallback's texts — not worth a second code path for passages. The server's int8 query
-scheme (one activation scale per token, see `rmm.serve.query_encoder`) as an ONNX graph keeps its
+scheme (one activation scale per token, see `rmm.encoders.query.precision`) as an ONNX graph keeps its
 recall and batch invariance (`scripts/recall_onnx_query_batching.py`) and costs ~2.1x less CPU
 than torch for a query alone (torch's per-module overhead dominates one short sequence), 1.1-1.2x
 less in micro-batches of 32. ONNX Runtime's own dynamic quantization is not used: its one
@@ -107,7 +107,7 @@ def export_onnx(encoder: Any, path: Path) -> Path:
 
 
 def row_int8_graph(source: Path, target: Path) -> Path:
-    """`source` with the int8 scheme of `rmm.serve.query_encoder.RowInt8Linear`: every MatMul by a
+    """`source` with the int8 scheme of `rmm.encoders.query.int8_linear.RowInt8Linear`: every MatMul by a
     weight matrix becomes per-token activation quantization (one scale per row, ±127, ONNX's
     half-to-even Round as torch's), shifted by 128 to uint8 with zero point 128 (ONNX Runtime's
     fast integer kernels are u8·s8; the products are the same integers), MatMulInteger with

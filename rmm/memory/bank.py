@@ -30,7 +30,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol, Self, cast
+from typing import Any, Self, cast
 
 import torch
 
@@ -41,13 +41,14 @@ from rmm.errors import (
     EncoderMismatchError,
     RmmError,
 )
+from rmm.encoders.protocol import EncoderLike
 from rmm.memory.index import BACKENDS, VectorIndex
 from rmm.memory.index_cache import UserIndexCache
 from rmm.memory.storage import MemoryStorage, VectorSearchStorage, is_database_url
 from rmm.memory.store import MemoryStore
 from rmm.types import Candidates, Memory
 
-__all__ = ["BANK_FILE", "DATABASE_OPTIONS", "INDEX_DIR", "STORE_FILE", "EncoderLike", "MemoryBank"]
+__all__ = ["BANK_FILE", "DATABASE_OPTIONS", "INDEX_DIR", "STORE_FILE", "MemoryBank"]
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +58,6 @@ INDEX_DIR = "index"
 _BANK_FORMAT = 1
 # What `index_options` may hold for a PostgreSQL bank (`PostgresStore`'s keyword arguments).
 DATABASE_OPTIONS = ("exact_limit", "ef_search", "pool_min", "pool_max", "pool_timeout_s")
-
-
-class EncoderLike(Protocol):
-    """What the bank needs of an encoder (`rmm.encoders.Encoder` satisfies it)."""
-
-    name: str
-    dim: int
-    fingerprint: str
-
-    def encode_queries(self, texts: list[str]) -> torch.Tensor: ...
-
-    def encode_passages(self, texts: list[str]) -> torch.Tensor: ...
 
 
 def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:

@@ -54,7 +54,8 @@ from typing import Literal
 
 import torch
 
-from rmm.memory.bank import EncoderLike, MemoryBank
+from rmm.encoders.protocol import EncoderLike
+from rmm.memory.bank import MemoryBank
 from rmm.memory.bm25 import BM25Retriever
 from rmm.memory.features import CANDIDATE_FEATURES, candidate_feature_matrix
 from rmm.memory.storage import MemoryStorage

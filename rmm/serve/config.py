@@ -22,7 +22,7 @@ from rmm import config as _config
 from rmm.errors import ConfigError
 from rmm.memory.hybrid import OVER_DENSE, Fusion
 from rmm.policy.learner import LearnerConfig, recipe_config
-from rmm.serve.query_encoder import QUERY_PRECISIONS
+from rmm.encoders.query.precision import QUERY_PRECISIONS
 
 __all__ = [
     "DEFAULT_KEYS_ENV",
@@ -140,8 +140,8 @@ class ServeConfig:
     index_precision: str = "float32"
     device: str = "auto"
     torch_threads: int | None = None  # intra-op CPU threads (None: torch's default, one per core)
-    query_precision: str = "auto"  # auto | float32 | int8 | int8-onnx: the query encoder's linears (rmm.serve.query_encoder)
-    # auto | on | off: queries encoded in a child process (rmm.serve.query_process); auto = on when the
+    query_precision: str = "auto"  # auto | float32 | int8 | int8-onnx: the query encoder's linears (rmm.encoders.query.precision)
+    # auto | on | off: queries encoded in a child process (rmm.encoders.query.process); auto = on when the
     # server loads its encoder itself (`encoder:`) onto the CPU
     query_process: str = "auto"
     k: int = 20

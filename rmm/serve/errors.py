@@ -11,7 +11,6 @@ from rmm.errors import RmmError
 __all__ = [
     "BadRequestError",
     "CorruptSelectionError",
-    "EncoderUnavailableError",
     "InvalidApiKeyError",
     "MissingApiKeyError",
     "NoOpenSessionError",
@@ -65,6 +64,3 @@ class MissingApiKeyError(RmmError):
 class InvalidApiKeyError(RmmError):
     """A key that names no tenant (the answer never hints at which keys exist)."""
 
-
-class EncoderUnavailableError(RmmError):
-    """The query encoder's process died (the request may be retried: the next one starts a new process)."""

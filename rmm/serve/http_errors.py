@@ -20,14 +20,13 @@ from fastapi.responses import JSONResponse
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
 
-from rmm.errors import RmmError, UnknownMemoryError, UnknownUserError
+from rmm.errors import EncoderUnavailableError, RmmError, UnknownMemoryError, UnknownUserError
 from rmm.memory.pg_connect import DatabasePoolExhaustedError, DatabaseUnavailableError
 from rmm.memory.store import DuplicateMemoryError
 from rmm.serve.batcher import BatcherClosedError
 from rmm.serve.errors import (
     BadRequestError,
     CorruptSelectionError,
-    EncoderUnavailableError,
     InvalidApiKeyError,
     MissingApiKeyError,
     NoOpenSessionError,

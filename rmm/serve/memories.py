@@ -17,7 +17,7 @@ from rmm.memory.sessions import SessionLog
 from rmm.memory.store import DuplicateMemoryError
 from rmm.policy.registry import LearnerRegistry
 from rmm.serve.jobs import JobQueue
-from rmm.serve.locked_encoder import LockedEncoder
+from rmm.encoders.query.locked import LockedEncoder
 from rmm.serve.pending import SelectionStore
 from rmm.serve.records import NewMemory, WriteItem
 from rmm.serve.tenants import (

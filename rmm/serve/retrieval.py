@@ -27,7 +27,7 @@ from rmm.memory.hybrid import HybridRetriever
 from rmm.policy.registry import LearnerRegistry
 from rmm.policy.reranker import candidate_subset
 from rmm.serve.config import ServeConfig
-from rmm.serve.locked_encoder import LockedEncoder
+from rmm.encoders.query.locked import LockedEncoder
 from rmm.serve.pending import PendingSelection, SelectionStore
 from rmm.serve.records import RetrieveItem, RetrieveResult, ShownMemory
 from rmm.serve.tenants import callers_error, reranker_key, scoped, unknown_user

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rmm.errors import ConfigError
-from rmm.memory.bank import EncoderLike, MemoryBank
+from rmm.encoders.protocol import EncoderLike
+from rmm.memory.bank import MemoryBank
 from rmm.memory.index import CPU_PRECISIONS
 from rmm.memory.sessions import SessionLog
 from rmm.policy.learner import Learner, is_normalized_encoder
@@ -38,12 +39,12 @@ from rmm.policy.registry import SHARED, LearnerRegistry, checkpoint_exists
 from rmm.serve.config import ServeConfig
 from rmm.serve.feedback import FeedbackLearner
 from rmm.serve.jobs import Handler, Job, Jobs
-from rmm.serve.locked_encoder import LockedEncoder
+from rmm.encoders.query.locked import LockedEncoder
 from rmm.serve.maintenance import Maintenance
 from rmm.serve.memories import UserMemories
 from rmm.serve.pending import Selections, SelectionStore
-from rmm.serve.query_encoder import query_encoder
-from rmm.serve.query_process import ProcessQueryEncoder, QueryProcessSpec
+from rmm.encoders.query.precision import query_encoder
+from rmm.encoders.query.process import ProcessQueryEncoder, QueryProcessSpec
 from rmm.serve.records import (
     FeedbackResult,
     NewMemory,

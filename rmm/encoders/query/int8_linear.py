@@ -1,5 +1,5 @@
 """`nn.Linear` in int8 with one activation scale per row: the building block of the server's
-int8 query path (`rmm.serve.query_encoder`, `rmm.serve.packed_bert`).
+int8 query path (`rmm.encoders.query.precision`, `rmm.encoders.query.packed_bert`).
 
 Activations are quantized *per token* (one scale per row), not per tensor as torch's dynamic
 quantization does: with one scale for the whole input, a query's embedding depended on the other

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from rmm.errors import ConfigError
-from rmm.memory.bank import EncoderLike
-from rmm.serve.errors import EncoderUnavailableError
+from rmm.encoders.protocol import EncoderLike
+from rmm.errors import EncoderUnavailableError
 
 __all__ = ["ProcessQueryEncoder", "QueryProcessSpec"]
 
@@ -71,7 +71,7 @@ def _serve(conn: Connection, spec: QueryProcessSpec) -> None:
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         from rmm.encoders import load_encoder
-        from rmm.serve.query_encoder import query_encoder
+        from rmm.encoders.query.precision import query_encoder
 
         encoder = query_encoder(load_encoder(spec.encoder, device="cpu", show_progress=False), spec.precision)
     except BaseException as err:  # noqa: BLE001 - whatever stops the load is the parent's error message

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from rmm.errors import ConfigError
-from rmm.memory.bank import EncoderLike
-from rmm.serve.int8_linear import RowInt8Linear, int8_kernels, quantize_linears
-from rmm.serve.packed_bert import PackedInt8Bert, packable, unpack
+from rmm.encoders.protocol import EncoderLike
+from rmm.encoders.query.int8_linear import RowInt8Linear, int8_kernels, quantize_linears
+from rmm.encoders.query.packed_bert import PackedInt8Bert, packable, unpack
 
 __all__ = ["QUERY_PRECISIONS", "Int8QueryEncoder", "RowInt8Linear", "quantize_linears", "query_encoder"]
 
@@ -54,7 +54,7 @@ class Int8QueryEncoder:
     `engine` runs the int8 model: `torch` (`RowInt8Linear` layers) or `onnx` (the same scheme as
     a cached ONNX graph in ONNX Runtime; raises `OnnxBackendError` when that cannot run). With
     `torch`, a plain BERT encoder (MiniLM, Contriever) runs packed — a micro-batch's tokens without
-    padding, one pass (`rmm.serve.packed_bert`); `packed=False` or any other model pads each query
+    padding, one pass (`rmm.encoders.query.packed_bert`); `packed=False` or any other model pads each query
     to a multiple of `PAD_MULTIPLE` tokens instead.
     """
 

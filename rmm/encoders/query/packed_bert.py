@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rmm.serve.int8_linear import RowInt8Linear
+from rmm.encoders.query.int8_linear import RowInt8Linear
 
 __all__ = ["PackedInt8Bert", "packable", "unpack"]
 

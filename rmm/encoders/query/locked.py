@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from rmm.memory.bank import EncoderLike
+from rmm.encoders.protocol import EncoderLike
 
 __all__ = ["LockedEncoder"]
 
