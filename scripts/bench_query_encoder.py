@@ -1,16 +1,21 @@
 #!/usr/bin/env python
-"""The server's query encoder paths on the CPU, per query: float32, int8 padded (each query padded
-to a multiple of 8 tokens, one forward per padded length), int8 packed (the server's default for
-BERT encoders: a micro-batch's tokens unpadded, one pass; `rmm.encoders.query.packed_bert`), the same with
-every linear layer on `torch._int_mm` instead of oneDNN's prepacked int8 kernel (`int8 _int_mm`:
-what `rmm.encoders.query.int8_linear` gains from that kernel; the vectors are the same to the bit) and, when
-onnxruntime is installed, `int8-onnx`.
+"""The server's query engines on this CPU, per query, and the one `query_precision: auto` picks.
 
-LoCoMo questions in micro-batches of each `--batch` size (1 is a query alone, as the server
-without micro-batching encodes it); per path the CPU milliseconds per query (best of `--repeats`
-passes, one thread: CPU time is the work done on a shared machine), the ratio to int8 padded from
-the same run (the paths run interleaved, pass by pass, so a change in load hurts none more than
-another), and the cosine of its vectors to float32's.
+Every engine of `rmm.encoders.query.precision.QUERY_ENGINES` as the server builds it: float32;
+int8 (packed BERT forward, every linear on the portable `torch._int_mm`); int8-onednn (the same with
+layers of 32+ rows on oneDNN's prepacked int8 kernel); int8-padded (each query padded to a multiple
+of 8 tokens); int8-onnx (ONNX Runtime, when installed). LoCoMo questions in micro-batches of each
+`--batch` size (1 is a query alone); per engine the CPU milliseconds per query (best of `--repeats`
+passes, one thread: CPU time is the work done on a shared machine; engines interleaved pass by
+pass, so a change in load hurts none more than another), its ratio to float32 from the same run,
+and the cosine of its vectors to float32's. An engine more than 10x slower than float32 on its
+first pass at a size is not passed again there.
+
+Then `auto`'s choice, measured afresh as the server measures at start-up
+(`rmm.encoders.query.choice`, probe batches 1/16/32), and how far that engine is from the fastest
+engine of the table at batch 16. Exits 1 when any engine is more than 10x slower than float32 at
+any batch (a fast path that is pathological on this CPU: `auto` will not choose it, but it must not
+go unseen), or when auto's engine is more than 10% slower than the fastest at batch 16.
 
     python scripts/bench_query_encoder.py
     python scripts/bench_query_encoder.py --batch 1 16 32 --queries 256 --repeats 5
@@ -19,9 +24,9 @@ another), and the cosine of its vectors to float32's.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
-import sys
 import time
 from collections.abc import Callable
 
@@ -29,8 +34,12 @@ import torch
 
 from rmm.data import load_dataset
 from rmm.encoders import load_encoder
-from rmm.encoders.query import int8_linear
-from rmm.encoders.query.precision import Int8QueryEncoder
+from rmm.encoders.query.choice import choose_query_engine, probe_batch_sizes
+from rmm.encoders.query.precision import QUERY_ENGINES, build_engine
+from rmm.errors import ConfigError
+
+PATHOLOGICAL = 10.0  # an engine this many times slower than float32 fails the run
+AUTO_TOLERANCE = 1.10  # auto's engine at batch 16 within 10% of the fastest
 
 
 def cpu_ms_per_query(encode: Callable[[list[str]], torch.Tensor], batches: list[list[str]]) -> float:
@@ -38,18 +47,6 @@ def cpu_ms_per_query(encode: Callable[[list[str]], torch.Tensor], batches: list[
     for batch in batches:
         encode(batch)
     return 1000 * (time.process_time() - started) / sum(len(b) for b in batches)
-
-
-def on_int_mm(encode: Callable[[list[str]], torch.Tensor]) -> Callable[[list[str]], torch.Tensor]:
-    """`encode` with every int8 linear layer on `torch._int_mm` (oneDNN's prepacked kernel never
-    reaches its row threshold while it runs)."""
-    def run(texts: list[str]) -> torch.Tensor:
-        saved, int8_linear.PACKED_MIN_ROWS = int8_linear.PACKED_MIN_ROWS, sys.maxsize
-        try:
-            return encode(texts)
-        finally:
-            int8_linear.PACKED_MIN_ROWS = saved
-    return run
 
 
 def main() -> int:
@@ -64,36 +61,71 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     encoder = load_encoder(args.encoder, device="cpu")
-    paths: dict[str, Callable[[list[str]], torch.Tensor]] = {
-        "float32": encoder.encode_queries,
-        "int8 padded": Int8QueryEncoder(encoder, packed=False).encode_queries,
-        "int8 packed": (packed := Int8QueryEncoder(encoder).encode_queries),
-        "int8 _int_mm": on_int_mm(packed),
-    }
-    try:
-        paths["int8-onnx"] = Int8QueryEncoder(encoder, engine="onnx").encode_queries
-    except Exception as err:  # noqa: BLE001 - optional engine: say why it is left out and go on
-        print(f"(int8-onnx left out: {err})")
+    engines: dict[str, Callable[[list[str]], torch.Tensor]] = {}
+    for name in QUERY_ENGINES:
+        try:
+            engines[name] = build_engine(encoder, name).encode_queries
+        except ConfigError as err:  # an engine this machine cannot run: say why and go on
+            print(f"({name} left out: {err})")
     questions = [q.text for q in load_dataset("locomo", data_dir=args.data_dir).questions]
     random.Random(0).shuffle(questions)
     texts = questions[:args.queries]
+    best_at: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
-        exact = encoder.encode_queries(texts)
-        cosine = {name: float(torch.nn.functional.cosine_similarity(exact, encode(texts)).min())
-                  for name, encode in paths.items()}
-        print(f"{args.encoder}, {len(texts)} LoCoMo questions, {args.threads} thread(s), torch {torch.__version__}")
-        print(f"{'batch':>5} | " + " | ".join(f"{name:>17}" for name in paths) + " | min cosine to float32")
+        # vectors checked on 32 questions encoded one at a time (cheap on every engine and CPU)
+        exact = encoder.encode_queries(texts[:32])
+        cosine = {name: float(torch.nn.functional.cosine_similarity(
+            exact, torch.cat([encode([text]) for text in texts[:32]])).min()) for name, encode in engines.items()}
+        print(f"{args.encoder}, {len(texts)} LoCoMo questions, {args.threads} thread(s), torch {torch.__version__}, "
+              f"CPU {cpu_name()}")
+        print(f"{'batch':>5} | " + " | ".join(f"{name:>20}" for name in engines) + " | min cosine to float32")
         for size in args.batch:
             batches = [texts[i:i + size] for i in range(0, len(texts), size)]
-            best = dict.fromkeys(paths, float("inf"))
+            best = dict.fromkeys(engines, float("inf"))
+            dropped: set[str] = set()
             for _ in range(args.repeats):
-                for name, encode in paths.items():
+                for name, encode in engines.items():
+                    if name in dropped:
+                        continue
                     best[name] = min(best[name], cpu_ms_per_query(encode, batches))
-            base = best["int8 padded"]
-            print(f"{size:>5} | " + " | ".join(f"{ms:6.2f} ms ({base / ms:4.2f}x)" for ms in best.values())
+                    if name != "float32" and best[name] > PATHOLOGICAL * best["float32"]:
+                        dropped.add(name)  # one pass is enough to know
+            base = best["float32"]
+            print(f"{size:>5} | " + " | ".join(f"{ms:8.2f} ms ({ms / base:5.2f}x)" for ms in best.values())
                   + " | " + ", ".join(f"{name} {value:.4f}" for name, value in cosine.items() if name != "float32"))
-    print(f"load average {os.getloadavg()[0]:.1f}; (Nx) = int8 padded / path, same run")
-    return 0
+            best_at[size] = best
+    print(f"load average {os.getloadavg()[0]:.1f}; (Nx) = engine / float32, same run")
+    logging.getLogger("rmm.encoders.query.choice").setLevel(logging.WARNING)
+    _, choice = choose_query_engine(encoder, "auto", batch_sizes=probe_batch_sizes(True, 64), cache_dir=None)
+    print(f"auto chooses {choice.engine}: {choice.summary()}")
+    if 16 in best_at:
+        at16 = best_at[16]
+        fastest = min(at16, key=at16.__getitem__)
+        print(f"at batch 16: auto's {choice.engine} {at16[choice.engine]:.2f} ms/query, the fastest ({fastest}) "
+              f"{at16[fastest]:.2f}: {at16[choice.engine] / at16[fastest]:.2f}x")
+    failures = verdict(best_at, choice.engine)
+    for failure in failures:
+        print(f"FAIL: {failure}")
+    return 1 if failures else 0
+
+
+def verdict(best_at: dict[int, dict[str, float]], auto: str) -> list[str]:
+    """What fails the run: an engine more than `PATHOLOGICAL` times slower than float32 at a batch
+    size, and auto's engine more than `AUTO_TOLERANCE` times the fastest at batch 16."""
+    failures = [f"{name} is {ms / best['float32']:.1f}x slower than float32 at batch {size}"
+                for size, best in best_at.items() for name, ms in best.items() if ms > PATHOLOGICAL * best["float32"]]
+    if 16 in best_at:
+        at16 = best_at[16]
+        fastest = min(at16, key=at16.__getitem__)
+        if at16[auto] > AUTO_TOLERANCE * at16[fastest]:
+            failures.append(f"auto's {auto} is {at16[auto] / at16[fastest]:.2f}x the fastest ({fastest}) at batch 16")
+    return failures
+
+
+def cpu_name() -> str:
+    from rmm.encoders.query.choice import cpu_fingerprint
+
+    return str(cpu_fingerprint()["cpu"])
 
 
 if __name__ == "__main__":

@@ -152,10 +152,21 @@ def start_server(bank: Path, workdir: Path, batching: bool, max_batch: int, max_
     return proc, url, log
 
 
-def server_threads(url: str) -> str:
-    """The server's torch intra-op thread count, from its health answer when it reports it."""
-    health = httpx.get(f"{url}/health", timeout=10).json()
-    return str(health.get("torch_threads", "?"))
+def server_health(url: str) -> dict:
+    """The server's health answer (torch threads, the query engine it measured and chose)."""
+    return httpx.get(f"{url}/health", timeout=10).json()
+
+
+def engine_line(health: dict) -> str:
+    """The server's query engine, what was asked for, and its start-up probe (ms/query by batch)."""
+    engine = health.get("query_engine")
+    if not engine:
+        return "query engine not reported"
+    probe = "; ".join(f"{name} " + "/".join(f"{ms:.2f}" for ms in by_size.values())
+                      for name, by_size in engine["ms_per_query"].items())
+    sizes = "/".join(str(s) for s in engine["batch_sizes"])
+    return (f"query engine {engine['engine']} (asked {engine['requested']}, "
+            f"{'cached' if engine['cached'] else 'measured'} ms/query at batch {sizes}: {probe or engine['note']})")
 
 
 def batch_totals(url: str) -> tuple[float, float, float, float]:
@@ -368,7 +379,7 @@ def main() -> int:
                              "0 = torch's default)")
     parser.add_argument("--modes", nargs="+", choices=("on", "off"), default=["on", "off"])
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=JSON",
-                        help="extra server setting, e.g. --set query_encoder='\"int8\"' (repeatable)")
+                        help="extra server setting, e.g. --set query_precision='\"int8\"' (repeatable)")
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--profile", metavar="DIR", help="record the server with py-spy during each timed run "
                         "(DIR/serve-MODE-CLIENTS.txt, collapsed stacks) and print its top functions")
@@ -407,7 +418,8 @@ def main() -> int:
             batching = mode == "on"
             proc, url, _log = start_server(bank, Path(tmp), batching, args.max_batch, args.max_wait_ms, args.device,
                                           args.threads or None, extra)
-            print(f"  server ({mode}): torch threads {server_threads(url)}", flush=True)
+            health = server_health(url)
+            print(f"  server ({mode}): torch threads {health['torch_threads']}; {engine_line(health)}", flush=True)
             try:
                 touch_every_user(url, pairs, args.k, args.m)
                 for clients in args.clients:
@@ -478,9 +490,23 @@ def main() -> int:
     failed = sum(r.errors for r in rows)
     if failed:
         print(f"FAILED: {failed} request(s) failed", file=sys.stderr)
+    slower = batching_slower(rows)
+    for line in slower:
+        print(f"FAILED: {line}", file=sys.stderr)
+    if failed or slower:
         return 1
-    print("all requests succeeded")
+    print("all requests succeeded; batching on is not slower than off")
     return 0
+
+
+def batching_slower(rows: list[Row]) -> list[str]:
+    """The client counts at which batching on answered fewer requests a second than off: micro-
+    batching exists to be faster, so a slower 'on' is a fast path gone wrong on this machine
+    (issue 34: 0.3 vs 125 req/s with oneDNN's int8 kernel on an AMD EPYC)."""
+    on = {r.clients: r for r in rows if r.batching == "on"}
+    off = {r.clients: r for r in rows if r.batching == "off"}
+    return [f"batching on is slower than off at {c} clients: {on[c].req_per_s:.1f} vs {off[c].req_per_s:.1f} req/s"
+            for c in sorted(set(on) & set(off)) if on[c].req_per_s < off[c].req_per_s]
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from recall_query_batching import alone_vs_batched
 from recall_query_encoder import locomo_turn_bank
 
 from rmm.encoders.onnx_backend import OnnxRunner, export_onnx
-from rmm.encoders.query.precision import Int8QueryEncoder, query_encoder
+from rmm.encoders.query.precision import Int8QueryEncoder, build_engine
 
 
 class RunnerQueries:
@@ -65,7 +65,7 @@ def main() -> int:
         paths = {"float32": encoder, "int8": Int8QueryEncoder(encoder),
                  "ort-float32": RunnerQueries(encoder, OnnxRunner(plain, args.threads)),
                  "ort-int8": RunnerQueries(encoder, OnnxRunner(int8_graph(fused, Path(tmp) / "q.onnx"), args.threads)),
-                 "int8-onnx": query_encoder(encoder, "int8-onnx")}
+                 "int8-onnx": build_engine(encoder, "int8-onnx")}
         rng = random.Random(args.seed)
         order = texts[:]
         rng.shuffle(order)

@@ -18,7 +18,7 @@ from rmm.encoders.onnx_backend import (
 )
 from rmm.errors import ConfigError
 from rmm.serve.config import load_config
-from rmm.encoders.query.precision import Int8QueryEncoder, query_encoder
+from rmm.encoders.query.precision import Int8QueryEncoder, build_engine
 
 pytest.importorskip("onnxruntime")  # the optional rmm[onnx] extra (in dev)
 pytest.importorskip("onnx")
@@ -53,7 +53,7 @@ def test_float32_graph_gives_torch_vectors(minilm, cache: Path) -> None:
 
 def test_int8_onnx_queries_match_torch_int8_and_ignore_their_batch(minilm, monkeypatch, cache: Path) -> None:
     monkeypatch.setenv("RMM_CACHE_DIR", str(cache))
-    fast = query_encoder(minilm, "int8-onnx")
+    fast = build_engine(minilm, "int8-onnx")
     assert isinstance(fast, Int8QueryEncoder) and fast.engine == "onnx" and fast.fingerprint == minilm.fingerprint
     passages = minilm.encode_passages(FACTS)
     assert torch.equal(fast.encode_passages(FACTS), passages)  # what the bank stores does not change
@@ -101,7 +101,7 @@ def test_missing_onnxruntime_is_one_clear_line(minilm, monkeypatch, tmp_path: Pa
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
     assert not onnx_backend.onnxruntime_available()
     with pytest.raises(ConfigError, match=r"int8-onnx: ONNX Runtime is not installed: pip install 'rmm\[onnx\]'"):
-        query_encoder(minilm, "int8-onnx")
+        build_engine(minilm, "int8-onnx")
     with pytest.raises(OnnxBackendError, match="not installed"):
         cached_graph(minilm, "float32", tmp_path)
     assert not any(tmp_path.iterdir())

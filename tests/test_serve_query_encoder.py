@@ -11,7 +11,7 @@ from fakes import BagOfWordsEncoder
 from rmm.errors import ConfigError
 from rmm.serve.config import load_config
 from rmm.encoders.query.int8_linear import quantize_rows
-from rmm.encoders.query.precision import Int8QueryEncoder, RowInt8Linear, query_encoder
+from rmm.encoders.query.precision import Int8QueryEncoder, RowInt8Linear, build_engine
 
 FACTS = ["Ana hikes mountain trails every weekend", "Ana bakes sourdough bread on Sundays",
          "Ana plays cello in a community orchestra", "Ana adopted a golden retriever puppy"]
@@ -30,7 +30,7 @@ def minilm(minilm_path: Path):
 
 
 def test_int8_queries_rank_like_float32_and_passages_are_untouched(minilm) -> None:
-    fast = query_encoder(minilm, "auto")  # a transformer on the CPU: int8
+    fast = build_engine(minilm, "int8")
     assert isinstance(fast, Int8QueryEncoder) and fast.fingerprint == minilm.fingerprint and fast.dim == 384
     assert fast._packed is not None and len(fast._packed.layers) == 6  # BERT: the packed int8 forward
     assert quantized_linears(minilm.model) == 0
@@ -46,11 +46,11 @@ def test_int8_queries_rank_like_float32_and_passages_are_untouched(minilm) -> No
 
 def test_precision_choices(minilm) -> None:
     bow = BagOfWordsEncoder()
-    assert query_encoder(bow, "auto") is bow and query_encoder(minilm, "float32") is minilm
+    assert build_engine(bow, "float32") is bow and build_engine(minilm, "float32") is minilm
     with pytest.raises(ConfigError, match="needs a transformer encoder"):
-        query_encoder(bow, "int8")
+        build_engine(bow, "int8")
     with pytest.raises(ConfigError, match="query_precision must be one of"):
-        query_encoder(minilm, "int4")
+        build_engine(minilm, "int4")
     with pytest.raises(ConfigError, match="query_precision must be"):
         load_config(None, {"bank": "/tmp/x", "query_precision": "fp8"}, environ={})
 
@@ -58,7 +58,7 @@ def test_precision_choices(minilm) -> None:
 def test_int8_query_vector_does_not_depend_on_its_batch(minilm) -> None:
     """A query encoded alone and inside batches of other (longer, shorter) queries gets the very
     same vector: a request's ranking must not change with whoever else is asking."""
-    fast = query_encoder(minilm, "int8")
+    fast = build_engine(minilm, "int8")
     others = ["Hi", "What did Ana say about the orchestra rehearsal she had last Thursday evening with her friends?",
               "Dog?", "Which trail near the lake did she hike with her sister during the long weekend in May?"]
     alone = torch.cat([fast.encode_queries([q]) for q in QUESTIONS])
@@ -101,7 +101,7 @@ def test_packed_matmuls_see_few_row_counts(monkeypatch: pytest.MonkeyPatch) -> N
     from rmm.encoders.query import int8_linear
 
     torch.manual_seed(3)
-    quantized = RowInt8Linear(torch.nn.Linear(64, 32))
+    quantized = RowInt8Linear(torch.nn.Linear(64, 32), "onednn")
     if quantized._packed is None:
         pytest.skip("this torch has no oneDNN int8 kernel (torch._int_mm path only)")
     seen: set[int] = set()
@@ -124,13 +124,12 @@ def test_row_int8_linear_kernels_agree_to_the_bit_at_every_batch_size() -> None:
     alone and the same query in a micro-batch must still get the same floats."""
     torch.manual_seed(1)
     linear = torch.nn.Linear(384, 96)
-    quantized = RowInt8Linear(linear)
+    quantized = RowInt8Linear(linear, "onednn")
     if quantized._packed is None:
         pytest.skip("this torch has no oneDNN int8 kernel (torch._int_mm path only)")
     x = torch.randn(300, 384) * torch.rand(300, 1) * 4
     alone = torch.cat([quantized(x[i:i + 1]) for i in range(len(x))])  # one row: torch._int_mm
     for rows in (2, 3, 7, 16, 31, 32, 33, 64, 129, 300):  # oneDNN picks kernels by shape: none may change a row
         assert torch.equal(quantized(x[:rows]), alone[:rows]), rows
-    fallback = RowInt8Linear(linear)
-    fallback._packed = None  # torch._int_mm for every batch
-    assert torch.equal(fallback(x), alone)
+    portable = RowInt8Linear(linear)  # the default kernel: torch._int_mm for every batch
+    assert portable._packed is None and torch.equal(portable(x), alone)

@@ -32,15 +32,21 @@ import torch
 from rmm.errors import (
     DimensionMismatchError,
     RmmError,
-    UnknownMemoryError,
     UnknownUserError,
 )
 from rmm.memory.pg_database import DEFAULT_POOL_MAX, PgDatabase
-from rmm.memory.rows import (
+from rmm.memory.validation import (
+    MAX_LISTED_USERS,
     DuplicateMemoryError,
     as_matrix,
+    check_dim,
     check_memory,
+    check_meta_value,
+    check_user_name,
     duplicate_keys,
+    require_embedded,
+    require_ids,
+    unknown_user,
 )
 from rmm.types import Memory
 
@@ -51,7 +57,6 @@ __all__ = ["APPROXIMATE_QUERY", "PostgresStore", "approximate_settings"]
 
 log = logging.getLogger(__name__)
 
-_MAX_LISTED_USERS = 10
 _COLUMNS = "id, user_id, kind, text, refs, source_text, created_at, updated_at, merged_from, time_span"
 _INSERT = f"INSERT INTO memories ({_COLUMNS}, embedding) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 _EXACT = ("SELECT id, embedding, -(embedding <#> %(q)s) AS score FROM memories "
@@ -131,16 +136,12 @@ class PostgresStore:
 
     def _unknown_user(self, cur: psycopg.Cursor[Any], user: str) -> UnknownUserError:
         cur.execute('SELECT user_id FROM users WHERE active ORDER BY user_id COLLATE "C" LIMIT %s',
-                    (_MAX_LISTED_USERS + 1,))
+                    (MAX_LISTED_USERS + 1,))
         users = [r[0] for r in cur.fetchall()]
-        if not users:
-            hint = "the store has no users yet"
-        elif len(users) <= _MAX_LISTED_USERS:
-            hint = f"known users: {users}"
-        else:
-            total = cur.execute("SELECT count(*) FROM users WHERE active").fetchone()[0]  # type: ignore[index]
-            hint = f"the store has {total} users"
-        return UnknownUserError(f"unknown user {user!r} in {self.location}; {hint}")
+        total = len(users)
+        if total > MAX_LISTED_USERS:
+            total = int(cur.execute("SELECT count(*) FROM users WHERE active").fetchone()[0])  # type: ignore[index]
+        return unknown_user(user, self.location, users, total)
 
     def _generation(self, cur: psycopg.Cursor[Any], user: str) -> int:
         row = cur.execute("SELECT generation FROM users WHERE user_id = %s AND active", (user,)).fetchone()
@@ -150,11 +151,7 @@ class PostgresStore:
 
     def _require_ids(self, cur: psycopg.Cursor[Any], user: str, ids: list[str]) -> None:
         cur.execute("SELECT id FROM memories WHERE user_id = %s AND id = ANY(%s)", (user, list(dict.fromkeys(ids))))
-        present = {r[0] for r in cur.fetchall()}
-        missing = [i for i in ids if i not in present]
-        if missing:
-            shown = missing[:5] + (["..."] if len(missing) > 5 else [])
-            raise UnknownMemoryError(f"{len(missing)} unknown memory id(s) for user {user!r}: {shown}")
+        require_ids(user, ids, (r[0] for r in cur.fetchall()))
 
     @staticmethod
     def _bump(cur: psycopg.Cursor[Any], user: str) -> None:
@@ -172,9 +169,8 @@ class PostgresStore:
             cur.execute(f"ALTER TABLE memories ALTER COLUMN embedding TYPE vector({int(dim)})")
             cur.execute("CREATE INDEX memories_embedding_hnsw ON memories USING hnsw (embedding vector_ip_ops)")
             log.info("bank %s: embedding dimension %d, HNSW index created", self.location, dim)
-        elif int(row[0]) != dim:
-            raise DimensionMismatchError(f"embedding dimension {dim} does not match the store's {int(row[0])} "
-                                         f"({self.location})")
+        else:
+            check_dim(dim, int(row[0]), self.location)
 
     # ----------------------------------------------------------------- writes
 
@@ -242,16 +238,14 @@ class PostgresStore:
             cur.execute("UPDATE users SET generation = generation + 1, active = false WHERE user_id = %s", (user,))
 
     def set_meta(self, key: str, value: str) -> None:
-        if not isinstance(value, str):
-            raise TypeError(f"meta values are strings (serialise them yourself), got {type(value).__name__}")
+        check_meta_value(value)
         with self._tx() as cur:
             cur.execute("INSERT INTO meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                         (key, value))
 
     def set_meta_if_absent(self, key: str, value: str) -> str:
         """Store `value` unless `key` has one; return what is stored (first writer wins, across processes)."""
-        if not isinstance(value, str):
-            raise TypeError(f"meta values are strings (serialise them yourself), got {type(value).__name__}")
+        check_meta_value(value)
         with self._tx() as cur:
             cur.execute("INSERT INTO meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING", (key, value))
             return str(cur.execute("SELECT value FROM meta WHERE key = %s", (key,)).fetchone()[0])  # type: ignore[index]
@@ -276,8 +270,7 @@ class PostgresStore:
 
     def require_user(self, user: str) -> None:
         """Raise `UnknownUserError` (naming the users there are) unless `user` has memories here."""
-        if not isinstance(user, str) or not user:
-            raise ValueError(f"user must be a non-empty string, got {user!r}")
+        check_user_name(user)
         with self._tx() as cur:
             self._generation(cur, user)
 
@@ -329,9 +322,7 @@ class PostgresStore:
             cur.execute("SELECT id, embedding FROM memories WHERE user_id = %s AND id = ANY(%s) AND embedding IS NOT NULL",
                         (user, list(set(ids))))
             found = dict(cur.fetchall())
-        missing = [i for i in ids if i not in found]
-        if missing:
-            raise UnknownMemoryError(f"memories of user {user!r} without a stored embedding: {missing[:5]}")
+        require_embedded(user, ids, found)
         return ids, _matrix([found[i] for i in ids], dim)
 
     def search(self, user: str, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, list[list[str]], torch.Tensor]:

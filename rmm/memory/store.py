@@ -34,8 +34,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from rmm.errors import CorruptFileError, DimensionMismatchError, RmmError, UnknownMemoryError, UnknownUserError
-from rmm.memory.rows import DuplicateMemoryError, as_matrix, check_memory, duplicate_keys
+from rmm.errors import CorruptFileError, RmmError, UnknownUserError
+from rmm.memory.validation import (
+    MAX_LISTED_USERS,
+    DuplicateMemoryError,
+    as_matrix,
+    check_dim,
+    check_memory,
+    check_meta_value,
+    check_user_name,
+    duplicate_keys,
+    require_embedded,
+    require_ids,
+    unknown_user,
+)
 from rmm.types import Memory
 
 __all__ = ["SCHEMA_VERSION", "DuplicateMemoryError", "MemoryStore"]
@@ -45,7 +57,6 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _BUSY_TIMEOUT_S = 30.0
-_MAX_LISTED_USERS = 10
 
 _SCHEMA = """
 CREATE TABLE meta (
@@ -98,11 +109,6 @@ def _memory_row(memory: Memory) -> tuple[Any, ...]:
         json.dumps(list(memory.merged_from)),
         span,
     )
-
-
-def _check_user_name(user: object) -> None:
-    if not isinstance(user, str) or not user:
-        raise ValueError(f"user must be a non-empty string, got {user!r}")
 
 
 def _memory_from_row(row: Sequence[Any]) -> Memory:
@@ -238,26 +244,19 @@ class MemoryStore:
     # ----------------------------------------------------------------- helpers
 
     def _unknown_user(self, conn: sqlite3.Connection | sqlite3.Cursor, user: str) -> UnknownUserError:
-        users = [r[0] for r in conn.execute("SELECT user_id FROM users WHERE active=1 ORDER BY user_id LIMIT ?", (_MAX_LISTED_USERS + 1,))]
-        if not users:
-            hint = "the store has no users yet"
-        elif len(users) <= _MAX_LISTED_USERS:
-            hint = f"known users: {users}"
-        else:
-            total = conn.execute("SELECT COUNT(*) FROM users WHERE active=1").fetchone()[0]
-            hint = f"the store has {total} users"
-        return UnknownUserError(f"unknown user {user!r} in {self.path}; {hint}")
+        users = [r[0] for r in conn.execute("SELECT user_id FROM users WHERE active=1 ORDER BY user_id LIMIT ?",
+                                            (MAX_LISTED_USERS + 1,))]
+        total = len(users)
+        if total > MAX_LISTED_USERS:
+            total = int(conn.execute("SELECT COUNT(*) FROM users WHERE active=1").fetchone()[0])
+        return unknown_user(user, self.location, users, total)
 
     def _require_user(self, conn: sqlite3.Connection | sqlite3.Cursor, user: str) -> None:
         if conn.execute("SELECT 1 FROM users WHERE user_id=? AND active=1", (user,)).fetchone() is None:
             raise self._unknown_user(conn, user)
 
     def _require_ids(self, conn: sqlite3.Connection | sqlite3.Cursor, user: str, ids: Sequence[str]) -> None:
-        present = self._present_ids(conn, user, ids)
-        missing = [i for i in ids if i not in present]
-        if missing:
-            shown = missing[:5] + (["..."] if len(missing) > 5 else [])
-            raise UnknownMemoryError(f"{len(missing)} unknown memory id(s) for user {user!r}: {shown}")
+        require_ids(user, ids, self._present_ids(conn, user, ids))
 
     @staticmethod
     def _present_ids(conn: sqlite3.Connection | sqlite3.Cursor, user: str, ids: Sequence[str]) -> set[str]:
@@ -281,8 +280,8 @@ class MemoryStore:
         row = cur.execute("SELECT value FROM meta WHERE key='embedding_dim'").fetchone()
         if row is None:
             cur.execute("INSERT INTO meta(key, value) VALUES ('embedding_dim', ?)", (str(dim),))
-        elif int(row[0]) != dim:
-            raise DimensionMismatchError(f"embedding dimension {dim} does not match the store's {int(row[0])} ({self.path})")
+        else:
+            check_dim(dim, int(row[0]), self.location)
 
     # ----------------------------------------------------------------- writes
 
@@ -356,15 +355,13 @@ class MemoryStore:
             cur.execute("UPDATE users SET generation = generation + 1, active = 0 WHERE user_id=?", (user,))
 
     def set_meta(self, key: str, value: str) -> None:
-        if not isinstance(value, str):
-            raise TypeError(f"meta values are strings (serialise them yourself), got {type(value).__name__}")
+        check_meta_value(value)
         with self._write() as cur:
             cur.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value", (key, value))
 
     def set_meta_if_absent(self, key: str, value: str) -> str:
         """Store `value` unless `key` has one; return what is stored (first writer wins, across processes)."""
-        if not isinstance(value, str):
-            raise TypeError(f"meta values are strings (serialise them yourself), got {type(value).__name__}")
+        check_meta_value(value)
         with self._write() as cur:
             cur.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO NOTHING", (key, value))
             return str(cur.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()[0])
@@ -394,7 +391,7 @@ class MemoryStore:
 
     def require_user(self, user: str) -> None:
         """Raise `UnknownUserError` (naming the users there are) unless `user` has memories here."""
-        _check_user_name(user)
+        check_user_name(user)
         with self._read() as conn:
             self._require_user(conn, user)
 
@@ -418,7 +415,7 @@ class MemoryStore:
         """Memories in the order of `ids`: one query when they are all there (every retrieval
         reads its shown memories here); the user and the ids are checked only when some are not,
         so the error still names what is missing."""
-        _check_user_name(user)
+        check_user_name(user)
         ids = list(ids)
         unique = list(dict.fromkeys(ids))
         found: dict[str, Memory] = {}
@@ -470,9 +467,7 @@ class MemoryStore:
                     marks = ",".join("?" * len(chunk))
                     for r in conn.execute(f"SELECT id, vector FROM embeddings WHERE user_id=? AND id IN ({marks})", (user, *chunk)):
                         found[r[0]] = r[1]
-                missing = [i for i in ids if i not in found]
-                if missing:
-                    raise UnknownMemoryError(f"memories of user {user!r} without a stored embedding: {missing[:5]}")
+                require_embedded(user, ids, found)
                 out_ids = ids
                 blobs = [found[i] for i in ids]
         if not blobs:

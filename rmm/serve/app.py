@@ -9,9 +9,10 @@ tenants answer 404 exactly like ids that never existed, and no answer shows the 
 "code": short_name}` (`rmm.serve.http_errors`): 401 no/invalid key, 404 unknown
 user/memory/selection/job or path, 405 wrong method, 409 duplicate memory id or feedback given
 twice, 410 expired selection, 413 body too large, 422 malformed or impossible request (not UTF-8
-or JSON, a lone surrogate or a blank query, naming the field), 500 unexpected (no details), 503
-shutting down, 503 database_busy / database_unavailable (PostgreSQL store: pool full or server
-unreachable; logged at WARNING). `/health` and `/metrics` (Prometheus text format) need no key and show no
+or JSON, a field of the wrong JSON type, NUL or a lone surrogate, empty text, an oversized id, a
+path that is not UTF-8; naming the field), 500 unexpected (no details; the connection stays open),
+503 shutting down, 503 database_busy / database_unavailable (PostgreSQL store: pool full or server
+unreachable; logged at WARNING, the answer names no database; `/health` answers 503 meanwhile). `/health` and `/metrics` (Prometheus text format) need no key and show no
 tenant's data.
 
 Where things live: bodies in `schemas`, routes in `routes/` (one router per resource), the
@@ -108,15 +109,17 @@ def create_app(config: ServeConfig, *, service: RetrievalService | None = None, 
                 _thaw_when_last()
             log.info("rmm serve stopped; rerankers checkpointed")
 
-    app = FastAPI(title="rmm retrieval server", version=API_VERSION, lifespan=lifespan,
+    # no trailing-slash redirects: Starlette builds their Location from the Host header (a redirect to
+    # any host a client names) and answers them without a body; an unknown path is the contract's 404
+    app = FastAPI(title="rmm retrieval server", version=API_VERSION, lifespan=lifespan, redirect_slashes=False,
                   description="Batched memory retrieval with a reranker that learns from the LLM's citations. "
                               "Send your API key as `Authorization: Bearer KEY` or `X-API-Key: KEY`.")
     app.state.service, app.state.metrics = service, metrics
     app.state.batcher, app.state.writes = retrievals, writes
+    install_error_handlers(app)  # first: its `ErrorBoundary` is the innermost middleware
     app.add_middleware(RequestGate, service=service, max_bytes=config.limits.max_request_bytes,
                        guarded_prefix=f"{API_PREFIX}/")
     app.add_middleware(RequestMetrics, metrics=metrics)  # added last: outermost, so it sees every answer
-    install_error_handlers(app)
     for router in PUBLIC + VERSIONED:
         app.include_router(router)
     return app

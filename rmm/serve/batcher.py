@@ -92,6 +92,15 @@ class MicroBatcher(Generic[T, R]):
 
     async def submit_many(self, items: Sequence[T]) -> list[R]:
         """Results for `items` in order; the first failed item's exception is raised."""
+        results = await self.submit_each(items)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results  # type: ignore[return-value]
+
+    async def submit_each(self, items: Sequence[T]) -> list[R | Exception]:
+        """Results for `items` in order, a failed item's exception in its place (the others still
+        answered); only a failure of the whole batcher (closed) is raised."""
         if self._closed:
             raise BatcherClosedError(f"{self.name} batcher is closed")
         items = list(items)
@@ -104,18 +113,13 @@ class MicroBatcher(Generic[T, R]):
         entries = [_Entry(item, self._loop.create_future()) for item in items]
         self._pending.extend(entries)  # no await in between: a request's items stay adjacent
         self._wakeup.set()
-        return list(await asyncio.gather(*(e.future for e in entries)))
+        return list(await asyncio.gather(*(e.future for e in entries), return_exceptions=True))
 
-    async def _run_unbatched(self, items: list[T]) -> list[R]:
+    async def _run_unbatched(self, items: list[T]) -> list[R | Exception]:
         loop = asyncio.get_running_loop()
         results, seconds = await loop.run_in_executor(None, self._call, items)
         self._report(len(items), seconds)
-        out: list[R] = []
-        for result in self._check_length(results, len(items)):
-            if isinstance(result, BaseException):
-                raise result
-            out.append(result)
-        return out
+        return list(self._check_length(results, len(items)))  # type: ignore[arg-type]
 
     def _call(self, items: list[T]) -> tuple[Sequence[R | BaseException], float]:
         """Both stages in the calling thread (the unbatched baseline), and their work in seconds."""

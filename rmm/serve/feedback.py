@@ -22,6 +22,7 @@ and `learned` means "queued for the learner".
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,8 @@ from rmm.types import Candidates, Selection
 
 __all__ = ["GREEDY_REASON", "NO_CITATION_REASON", "FeedbackLearner"]
 
+log = logging.getLogger(__name__)
+
 GREEDY_REASON = "greedy selection (explore=false) is not a sample; feedback stored, not learned"
 NO_CITATION_REASON = "no parseable citation in the reply; feedback stored, not learned"
 
@@ -46,6 +49,48 @@ class FeedbackLearner:
         self.selections, self.learners = selections, learners
         self.deferred = bool(getattr(selections, "learns_in_background", False))
         self.updates = 0
+        # selections recorded into a learner since the last checkpoint (in-process learning only):
+        # marked once a checkpoint holds them, replayed by `replay` after a crash otherwise
+        self._unsaved: list[str] = []
+
+    def replay(self) -> int:
+        """Record into the learners the stored feedback no checkpoint holds (a kill -9 after the
+        last checkpoint), in the order it arrived, exactly as `feedback` recorded it; returns how
+        many. Over PostgreSQL the learner replica does this from the feedback table instead."""
+        if self.deferred:
+            return 0
+        rows = self.selections.unsaved_feedback()
+        with self.learners.lock:
+            for pending, stored in rows:
+                self._record(pending, rewards_from_citations(len(pending.chosen), stored.get("cited"),
+                                                             bool(stored.get("no_cite"))))
+        if rows:
+            log.info("replayed %d feedback(s) stored after the last reranker checkpoint", len(rows))
+        return len(rows)
+
+    def checkpoint(self, save: Callable[[], int]) -> int:
+        """Run the registry's `save` and mark the feedback it now holds, so a restart replays only
+        what came after (both under the learners' lock: nothing is recorded in between)."""
+        with self.learners.lock:
+            saved_ids, self._unsaved = self._unsaved, []
+            try:
+                saved = save()
+            except BaseException:
+                self._unsaved = saved_ids + self._unsaved
+                raise
+        if saved_ids:
+            self.selections.mark_checkpointed(saved_ids)
+        return saved
+
+    def _record(self, pending: PendingSelection, rewards: Any) -> float | None:
+        """One claimed selection into its learner, under the learners' lock (in-process learning)."""
+        learner = self.learners.get(pending.reranker_key)
+        self._unsaved.append(pending.id)
+        if pending.explore or rewards is None:
+            return learner.record(rebuild(pending), rewards)
+        # the learner's own refusal, minus its per-call WARNING: greedy feedback is routine here
+        learner.stats.skipped_greedy += 1
+        return None
 
     def feedback(self, tenant: str, selection_id: str, *, cited: list[int] | None = None, text: str | None = None,
                  no_cite: bool = False, structured: bool = False) -> FeedbackResult:
@@ -90,11 +135,8 @@ class FeedbackLearner:
                 if not pending.explore:
                     learner.stats.skipped_greedy += 1
                 loss = None
-            elif pending.explore or rewards is None:
-                loss = learner.record(rebuild(pending), rewards)
-            else:  # the learner's own refusal, minus its per-call WARNING: greedy feedback is routine here
-                learner.stats.skipped_greedy += 1
-                loss = None
+            else:
+                loss = self._record(pending, rewards)
             updated = learner.stats.step > step_before
             if updated:
                 self.updates += 1
@@ -126,7 +168,10 @@ def _refuse_out_of_range(parse: Callable[[str, int], Citation], text: str, n: in
     """Refuse a reply whose citation names only indices that were never shown (`[7]` of 5): the
     parser drops them and would record "no parseable citation", using up the selection."""
     unbounded = parse(text, _ANY_INDEX)
-    if unbounded.cited:
-        raise BadRequestError(f"the reply cites {unbounded.cited}, but only {n} memories were shown (valid indices "
+    # the parser drops an index of more digits than it reads as out of range too: the same mistake
+    too_long = any(w.startswith("dropped out-of-range index") for w in unbounded.warnings)
+    if unbounded.cited or too_long:
+        named = unbounded.cited or "an index of more than 9 digits"
+        raise BadRequestError(f"the reply cites {named}, but only {n} memories were shown (valid indices "
                               f"0..{n - 1}); send the corrected reply, `cited`, or `no_cite: true` — the selection "
                               "is still open")

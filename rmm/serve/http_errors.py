@@ -5,7 +5,13 @@ status code and name, so the routes never build error responses themselves. Erro
 framework keep the shape too: routing (404 unknown path, 405 wrong method, with `Allow`), a body
 that is not UTF-8 (422, like any malformed JSON), and anything unexpected (500, no details).
 Validation errors (422 `invalid_request`) add `errors`: pydantic's list without the inputs.
-401 answers carry `WWW-Authenticate: Bearer` as HTTP requires.
+401 answers carry `WWW-Authenticate: Bearer` as HTTP requires. A message never repeats more than
+`MAX_DETAIL_CHARS` of what the client sent, and a database error never names the database (its
+URL, schema or host go to the log, not to the client).
+
+`ErrorBoundary` answers an unexpected exception itself, inside Starlette's outermost middleware:
+that one re-raises after answering, and uvicorn then closes the keep-alive connection ("Exception
+in ASGI application"), which failed the client's *next* request too.
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rmm.errors import EncoderUnavailableError, RmmError, UnknownMemoryError, UnknownUserError
 from rmm.memory.pg_connect import DatabasePoolExhaustedError, DatabaseUnavailableError
@@ -37,7 +45,8 @@ from rmm.serve.errors import (
 )
 from rmm.serve.schemas import valid_unicode
 
-__all__ = ["error_response", "install_error_handlers", "json_error"]
+__all__ = ["MAX_DETAIL_CHARS", "ErrorBoundary", "classify", "error_response", "install_error_handlers", "json_error",
+           "path_error", "shorten"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,12 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
     (DatabasePoolExhaustedError, 503, "database_busy"),
     (DatabaseUnavailableError, 503, "database_unavailable"),
 ]
+MAX_DETAIL_CHARS = 1000  # an error message repeats at most this much (ids in it are the client's own input)
+# what a client is told when the database is away: enough to retry, nothing about where it lives
+DATABASE_MESSAGES = {
+    DatabasePoolExhaustedError: "the database is busy (every connection of this server is in use); retry shortly",
+    DatabaseUnavailableError: "the database is unreachable; retry shortly",
+}
 # the names of the errors FastAPI and Starlette raise themselves (routing, body limit, checks in routes)
 HTTP_NAMES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
               413: "body_too_large", 422: "invalid_request"}
@@ -70,23 +85,40 @@ def json_error(status: int, code: str, detail: str, *, headers: Mapping[str, str
                **extra: Any) -> JSONResponse:
     """The API's one error shape (`extra` adds fields, e.g. pydantic's `errors` list)."""
     headers = dict(headers or {})
+    detail = shorten(detail)
     if status == 401:
         headers.setdefault("WWW-Authenticate", "Bearer")
     return JSONResponse({"detail": detail, "code": code, **extra}, status_code=status, headers=headers)
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    """The answer to a typed error; an unexpected one is logged and answered 500 without details."""
+def classify(exc: BaseException) -> tuple[int, str, str]:
+    """(status, code, message) of an error: a typed one by the table; an unexpected one is logged
+    and told as 500 without details."""
     for cls, status, code in ERRORS:
         if isinstance(exc, cls):
             if isinstance(exc, DatabasePoolExhaustedError | DatabaseUnavailableError | CorruptSelectionError):
                 # the operator's problem, not the client's: the client sees only a 503 / 410
                 log.warning("answered %d %s: %s", status, code, exc)
-            return json_error(status, code, str(exc))
+            if isinstance(exc, DatabaseUnavailableError):
+                return status, code, DATABASE_MESSAGES[cls]  # type: ignore[index]
+            return status, code, str(exc)
     if isinstance(exc, RmmError | ValueError):
-        return json_error(422, "bad_request", str(exc))
+        return 422, "bad_request", str(exc)
     log.error("unexpected error", exc_info=exc)
-    return json_error(500, "internal", f"internal error: {type(exc).__name__}")
+    return 500, "internal", f"internal error: {type(exc).__name__}"
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The answer to a typed error; an unexpected one is logged and answered 500 without details."""
+    status, code, detail = classify(exc)
+    return json_error(status, code, detail)
+
+
+def shorten(detail: str) -> str:
+    """At most `MAX_DETAIL_CHARS` of a message (the rest replaced by its length)."""
+    if len(detail) <= MAX_DETAIL_CHARS:
+        return detail
+    return f"{detail[:MAX_DETAIL_CHARS]}… ({len(detail)} characters, shortened)"
 
 
 def _where(error: Mapping[str, Any]) -> str:
@@ -133,6 +165,51 @@ def describe_http(exc: HTTPException, request: Request) -> tuple[int, str]:
     return exc.status_code, str(exc.detail)
 
 
+def path_error(scope: Scope) -> str | None:
+    """Why a request's path is refused, or None: a percent-encoded byte sequence that is not UTF-8
+    (`%ff`) would reach the routes as U+FFFD, so `/users/%ff` and `/users/%fe` named one user."""
+    raw = scope.get("raw_path")
+    if not raw:
+        return None
+    try:
+        unquote_to_bytes(raw.decode("latin-1")).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return (f"path: not valid UTF-8 after percent-decoding (byte 0x{exc.object[exc.start]:02x} at position "
+                f"{exc.start}); ids in a path are UTF-8, percent-encoded")
+    return None
+
+
+class ErrorBoundary:
+    """Pure ASGI middleware just outside the routes: an exception no handler took becomes the
+    contract's 500 (logged with its traceback) and is not re-raised, so the connection stays open."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refused = path_error(scope)
+        if refused is not None:
+            await json_error(422, "invalid_request", refused)(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:  # half an answer is out: nothing sound can follow on this connection
+                raise
+            await error_response(exc)(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error an app can raise through `json_error`."""
 
@@ -152,4 +229,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, on_http)
     for cls in (RmmError, ValueError, BatcherClosedError):
         app.add_exception_handler(cls, on_typed)
-    app.add_exception_handler(Exception, on_typed)  # the last resort: 500 `internal`, logged, no details
+    app.add_exception_handler(Exception, on_typed)  # for errors outside `ErrorBoundary` (the outer middleware)
+    app.add_middleware(ErrorBoundary)  # added first: the innermost middleware, so the gate and metrics see its 500

@@ -82,6 +82,19 @@ class ServiceCollector:
             gauge = GaugeMetricFamily(name, help_text)
             gauge.add_metric([], stats[key])
             yield gauge
+        # the query engine serving (chosen by measurement at start-up) and each engine's probe timings
+        choice = self.service.query_engine
+        info = GaugeMetricFamily("rmm_query_engine_info", "1 for the query engine serving; labels: what was "
+                                 "asked for and whether its timings came from the cache",
+                                 labels=["engine", "requested", "cached"])
+        info.add_metric([choice.engine, choice.requested, str(choice.cached).lower()], 1)
+        yield info
+        probe = GaugeMetricFamily("rmm_query_engine_probe_ms", "milliseconds per query of each query engine on "
+                                  "the start-up probe, by micro-batch size", labels=["engine", "batch"])
+        for timing in choice.timings:
+            for size, ms in timing.ms_per_query.items():
+                probe.add_metric([timing.engine, str(size)], ms)
+        yield probe
         # replicas over PostgreSQL: which one is the learner, and what the shared learning did here
         for name, help_text, key in (
                 ("rmm_is_learner", "1 while this replica holds the learner's advisory lock", "is_learner"),

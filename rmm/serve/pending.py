@@ -36,22 +36,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from rmm.errors import UnknownMemoryError, UnknownUserError
-from rmm.serve.errors import (
-    SelectionExpiredError,
-    SelectionUsedError,
-    UnknownSelectionError,
-)
+from rmm.serve.errors import UnknownSelectionError
 from rmm.serve.selection_rows import (
     SELECTION_COLUMNS,
     SQLITE_FORMAT,
+    EmbeddingsOf,
     PendingSelection,
     RowFormat,
+    refuse_unusable,
+    require_embeddings,
     selection_from_row,
     selection_row,
     tensor_blob,
+    unknown_selection,
 )
 
 __all__ = [
@@ -100,12 +98,13 @@ _ADDED_COLUMNS = {
     "lexical": "BLOB",  # [K] float32 lexical feature as scored (hybrid first stage); NULL = none
     "features": "BLOB",  # [K, F] float32 candidate features as scored, row-major; NULL = none
     "feature_names": "TEXT",  # JSON list of the F feature names; NULL = none
+    # 1 once the feedback is in a saved reranker checkpoint; a claimed row without it is replayed
+    # into the learner at the next start (a kill -9 since the last checkpoint costs no learning)
+    "checkpointed": "INTEGER",
 }
 
 _COLUMNS = ", ".join(SELECTION_COLUMNS)
 _N_COLUMNS = len(SELECTION_COLUMNS)
-
-EmbeddingsOf = Callable[[str, list[str]], torch.Tensor]  # (user_id, memory ids) -> [K, d]
 
 
 class Selections(Protocol):
@@ -131,6 +130,10 @@ class Selections(Protocol):
 
     def sweep(self, now: float | None = None) -> int: ...
 
+    def unsaved_feedback(self) -> list[tuple[PendingSelection, dict[str, Any]]]: ...
+
+    def mark_checkpointed(self, selection_ids: list[str]) -> None: ...
+
     def count_pending(self, now: float | None = None) -> int: ...
 
     def close(self) -> None: ...
@@ -143,15 +146,6 @@ def open_selections(location: str | Path, ttl_s: float) -> Selections:
 
         return PgSelectionStore(location, ttl_s)
     return SelectionStore(location, ttl_s)
-
-
-def require_embeddings(selections: list[PendingSelection]) -> None:
-    """Refuse a selection stored without the candidate embeddings it was scored with: its update
-    would have to re-read them from the store, which may have changed since."""
-    for s in selections:
-        if s.embeddings is None:
-            raise ValueError(f"selection {s.id!r} has no candidate embeddings; its update would have to "
-                             "re-read them from the store")
 
 
 class SelectionStore:
@@ -173,6 +167,8 @@ class SelectionStore:
         for name, kind in _ADDED_COLUMNS.items():
             if name not in present:
                 self._conn.execute(f"ALTER TABLE selections ADD COLUMN {name} {kind}")
+        if "checkpointed" not in present:  # feedback from before replay existed: learned or lost, never twice
+            self._conn.execute("UPDATE selections SET checkpointed=1 WHERE consumed_at IS NOT NULL")
 
     def put_many(self, selections: list[PendingSelection]) -> None:
         """Persist a batch's selections in one transaction (one commit per batch, not per query)."""
@@ -262,12 +258,37 @@ class SelectionStore:
         with self._lock:
             return self._conn.execute("DELETE FROM selections WHERE user_id=?", (user_id,)).rowcount
 
+    def unsaved_feedback(self) -> list[tuple[PendingSelection, dict[str, Any]]]:
+        """The rewarded selections whose feedback no saved checkpoint holds yet, with the feedback
+        stored for each, in the order it arrived: what a restarted learner replays."""
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT {_COLUMNS}, feedback FROM selections WHERE consumed_at IS NOT NULL AND checkpointed IS NULL "
+                "AND feedback IS NOT NULL ORDER BY consumed_at, rowid").fetchall()
+        return [(selection_from_row(row[:_N_COLUMNS]), dict(json.loads(row[_N_COLUMNS]))) for row in rows]
+
+    def mark_checkpointed(self, selection_ids: list[str]) -> None:
+        """Record that a saved checkpoint holds these selections' feedback (never replayed again)."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                for start in range(0, len(selection_ids), 500):
+                    chunk = selection_ids[start:start + 500]
+                    self._conn.execute(f"UPDATE selections SET checkpointed=1 WHERE id IN ({','.join('?' * len(chunk))})",
+                                       chunk)
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
     def sweep(self, now: float | None = None) -> int:
-        """Delete rows expired or rewarded more than one TTL ago."""
+        """Delete rows expired or rewarded more than one TTL ago (a rewarded row only once a saved
+        checkpoint holds its feedback: until then it is what a restart replays)."""
         cutoff = (time.time() if now is None else now) - self.ttl_s
         with self._lock:
             removed = self._conn.execute(
-                "DELETE FROM selections WHERE expires_at < ? OR (consumed_at IS NOT NULL AND consumed_at < ?)",
+                "DELETE FROM selections WHERE (consumed_at IS NULL AND expires_at < ?) "
+                "OR (consumed_at IS NOT NULL AND consumed_at < ? AND checkpointed IS NOT NULL)",
                 (cutoff, cutoff),
             ).rowcount
         if removed:
@@ -283,30 +304,3 @@ class SelectionStore:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
-
-
-def unknown_selection(selection_id: str) -> UnknownSelectionError:
-    return UnknownSelectionError(
-        f"unknown selection id {selection_id!r}: never issued to this API key's tenant, or "
-        "purged (expired or rewarded more than one TTL ago, or its user was deleted)"
-    )
-
-
-def refuse_unusable(selection: PendingSelection, now: float, ttl_s: float) -> None:
-    """Raise when a selection can no longer be rewarded (already rewarded, expired, legacy row)."""
-    if selection.consumed_at is not None:
-        raise SelectionUsedError(
-            f"selection {selection.id!r} already received feedback at "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(selection.consumed_at))}; "
-            "each selection is rewarded once"
-        )
-    if selection.expires_at < now:
-        raise SelectionExpiredError(
-            f"selection {selection.id!r} expired {now - selection.expires_at:.1f} s ago (selections "
-            f"wait {ttl_s:g} s for feedback; raise selection_ttl_s to allow slower feedback)"
-        )
-    if selection.embeddings is None:  # written by an older rmm after this store was opened
-        raise SelectionExpiredError(
-            f"selection {selection.id!r} was written without its candidate embeddings (an older rmm); "
-            "it cannot be learned from faithfully — retrieve again"
-        )

@@ -51,6 +51,15 @@ WHERE status = 'running' AND lease_until < {_NOW} AND attempts >= %s
 """
 
 
+_JOB_COLUMNS = "id, tenant, user_id, kind, status, created_at, started_at, finished_at, result, error"
+
+
+def _job(row: tuple[Any, ...]) -> Job:
+    """A `Job` from a row of `_JOB_COLUMNS`."""
+    return Job(id=row[0], tenant=row[1], user_id=row[2], kind=row[3], status=row[4], created_at=row[5],
+               started_at=row[6], finished_at=row[7], result=dict(row[8] or {}), error=row[9])
+
+
 class PgJobQueue:
     """Jobs on a PostgreSQL bank schema (table `jobs`); one worker thread per replica."""
 
@@ -69,26 +78,38 @@ class PgJobQueue:
         self._thread.start()
 
     def submit(self, tenant: str, user_id: str, kind: str, payload: dict[str, Any]) -> Job:
-        """Commit the job (an acknowledged session is never lost) and wake this replica's worker."""
+        """Commit the job (an acknowledged session is never lost) and wake this replica's worker.
+
+        One session, one job: a reflection job for a session that already has one (concurrent
+        `sessions/end` requests, a whole session posted again) conflicts on the unique index of
+        migration 0005, and the job already there is returned instead of a second one."""
         from psycopg.types.json import Jsonb
 
         job = Job(id=uuid.uuid4().hex, tenant=tenant, user_id=user_id, kind=kind, status="queued",
                   created_at=time.time())
         with self.db.tx() as cur:
-            cur.execute("INSERT INTO jobs (id, tenant, user_id, kind, payload, status, created_at) "
-                        "VALUES (%s, %s, %s, %s, %s, %s, %s)",
-                        (job.id, tenant, user_id, kind, Jsonb(payload), job.status, job.created_at))
+            inserted = cur.execute(
+                "INSERT INTO jobs (id, tenant, user_id, kind, payload, status, created_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING id",
+                (job.id, tenant, user_id, kind, Jsonb(payload), job.status, job.created_at)).fetchone()
+            if inserted is None:
+                session_id = (payload.get("session") or {}).get("id")
+                row = cur.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE user_id = %s AND kind = %s "
+                                  "AND payload -> 'session' ->> 'id' = %s AND status <> 'cancelled'",
+                                  (user_id, kind, session_id)).fetchone()
+                if row is None:  # not the session index (a job id collision): nothing sound to answer
+                    raise RuntimeError(f"job {job.id} conflicts with an existing job")
+                log.info("session %r of %s already has job %s; not queued twice", session_id, user_id, row[0])
+                return _job(row)
         self._wake.set()
         return job
 
     def get(self, tenant: str, job_id: str) -> Job:
         with self.db.tx() as cur:
-            row = cur.execute("SELECT id, tenant, user_id, kind, status, created_at, started_at, finished_at, result, "
-                              "error FROM jobs WHERE id = %s", (job_id,)).fetchone()
+            row = cur.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = %s", (job_id,)).fetchone()
         if row is None or row[1] != tenant:
             raise UnknownJobError(f"unknown job id {job_id!r} for this API key's tenant")
-        return Job(id=row[0], tenant=row[1], user_id=row[2], kind=row[3], status=row[4], created_at=row[5],
-                   started_at=row[6], finished_at=row[7], result=dict(row[8] or {}), error=row[9])
+        return _job(row)
 
     def cancel_user(self, user_id: str) -> int:
         """Cancel the user's queued jobs (their user is being deleted)."""

@@ -10,8 +10,9 @@ alone. Claiming a selection appends its feedback to the `feedback` table in the 
 (committed before the HTTP answer), so acknowledged feedback survives any replica's death; the
 learner applies it later (`learns_in_background`). A rewarded selection whose feedback the
 learner has not applied yet is never swept. Rows go through the SQLite store's codec
-(`rmm.serve.pending.selection_row` / `selection_from_row`: the same columns and encodings, with
-JSONB and BOOLEAN where SQLite has TEXT and INTEGER), so a new field is added in one place.
+(`rmm.serve.selection_rows.selection_row` / `selection_from_row`: the same columns and encodings,
+with JSONB and BOOLEAN where SQLite has TEXT and INTEGER), so a new field is added in one place;
+the refusals on claim are that module's too, so this one never imports `rmm.serve.pending`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from rmm.memory.pg_database import PgDatabase
 from rmm.serve.errors import CorruptSelectionError, UnknownSelectionError
-from rmm.serve.pending import (
+from rmm.serve.selection_rows import (
     SELECTION_COLUMNS,
     EmbeddingsOf,
     PendingSelection,
@@ -130,6 +131,14 @@ class PgSelectionStore:
         """Delete the user's selections (their feedback rows go with them)."""
         with self.db.tx() as cur:
             return cur.execute("DELETE FROM selections WHERE user_id = %s", (user_id,)).rowcount
+
+    def unsaved_feedback(self) -> list[tuple[PendingSelection, dict[str, Any]]]:
+        """Nothing for a starting replica to replay itself: the learner-lock holder applies the
+        feedback table's unapplied rows (`rmm.serve.learner_lease`), after a crash too."""
+        return []
+
+    def mark_checkpointed(self, selection_ids: list[str]) -> None:
+        """Nothing to record: a reranker version marks the feedback it holds (`applied_version`)."""
 
     def sweep(self, now: float | None = None) -> int:
         """Delete rows expired or rewarded more than one TTL ago, keeping any whose feedback the

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["FeedbackResult", "NewMemory", "RetrieveItem", "RetrieveResult", "ShownMemory", "WriteItem"]
+__all__ = ["FeedbackResult", "NewMemory", "QueryError", "RetrieveItem", "RetrieveResult", "ShownMemory",
+           "WriteItem"]
 
 
 @dataclass
@@ -39,15 +40,27 @@ class ShownMemory:
 
 
 @dataclass
+class QueryError:
+    """Why one query of a retrieve request failed: the status and error shape it would have
+    answered alone."""
+
+    status: int
+    code: str
+    detail: str
+
+
+@dataclass
 class RetrieveResult:
-    """The memories shown for one query, and the selection id its feedback must name."""
+    """The memories shown for one query, and the selection id its feedback must name; or, for a
+    query that failed while others of its request were answered, its `error` (nothing shown)."""
 
     user: str
     query: str
-    selection_id: str | None  # None when nothing was shown (the user has no memories)
+    selection_id: str | None  # None when nothing was shown (the user has no memories, or `error`)
     explore: bool
     expires_at: float | None
     memories: list[ShownMemory]
+    error: QueryError | None = None
 
 
 @dataclass

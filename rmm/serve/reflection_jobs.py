@@ -11,6 +11,7 @@ only ever sees ids it could have named itself.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,10 @@ class SessionReflection:
         self.speakers_exclude = speakers_exclude
         self.jobs: Jobs = jobs(self.run) if jobs is not None else JobQueue(jobs_path, self.run)
         self._reflector: ProspectiveReflector | None = None
+        # reading the open session, queueing its job and clearing it are one step: concurrent
+        # ends of one session otherwise each queued a job (and a late clear could drop the turns
+        # of the session opened after it); across replicas the job table's unique index decides
+        self._ending = threading.Lock()
 
     def append_turns(self, tenant: str, user: str, turns: list[tuple[str, str]]) -> list[Turn]:
         """Append to the user's open session (committed before returning); ids as the tenant sees them."""
@@ -48,13 +53,14 @@ class SessionReflection:
                     store_turns: bool = False) -> Job:
         """Hand the open session to a reflection job; the user's next turns open a new session."""
         user_id = scoped(tenant, user)
-        session = self.sessions.current(user_id)
-        if not session.turns:
-            raise NoOpenSessionError(f"user {user!r} has no open session: post turns first")
-        session = Session(id=unscoped_id(tenant, session.id), user_id=user_id, time=session.time,
-                          turns=[_unscoped_turn(tenant, t) for t in session.turns])
-        job = self._submit(tenant, session, speakers, store_turns)
-        self.sessions.clear(user_id)  # after the job is committed: a crash between keeps both (no loss)
+        with self._ending:
+            session = self.sessions.current(user_id)
+            if not session.turns:
+                raise NoOpenSessionError(f"user {user!r} has no open session: post turns first")
+            session = Session(id=unscoped_id(tenant, session.id), user_id=user_id, time=session.time,
+                              turns=[_unscoped_turn(tenant, t) for t in session.turns])
+            job = self._submit(tenant, session, speakers, store_turns)
+            self.sessions.clear(user_id)  # after the job is committed: a crash between keeps both (no loss)
         return job
 
     def add_session(self, tenant: str, user: str, turns: list[Turn], *, session_id: str | None = None,

@@ -1,13 +1,20 @@
 """The request and response bodies of the HTTP API (pydantic; they are the OpenAPI schema).
 
-Requests are strict (unknown fields are refused, so a typo is an error rather than a silently
-ignored option). Answers that are exactly a service record (`ShownMemory`, `RetrieveResult`,
+Requests are strict: unknown fields are refused (a typo is an error rather than a silently ignored
+option) and every field takes exactly the JSON type its schema states (pydantic strict mode: `"5"`
+is not an integer, `1` not a boolean). Every string of a request is valid Unicode without NUL
+(PostgreSQL's text cannot hold one, so both stores refuse it alike, here at the edge); text that
+must say something is refused when it holds nothing but whitespace, control or format characters
+(zero-width spaces, a BOM): `is_blank` is the one definition of "empty". Ids, speakers and times
+are bounded in size and lists in length, so no request can make the server store or echo an
+unbounded name. Answers that are exactly a service record (`ShownMemory`, `RetrieveResult`,
 `FeedbackResult` in `rmm.serve.records`) are not repeated here: FastAPI serves those dataclasses.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Annotated, Any
 
 from fastapi import Path
@@ -26,47 +33,68 @@ __all__ = [
 ]
 
 USER_PATTERN = r"^[^/\x00-\x1f]{1,256}$"
+MAX_ID_CHARS = 256  # memory, turn, session, selection and job ids, speakers, kinds, times
+MAX_LIST_ITEMS = 1000  # refs of a memory, speakers of a session
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def valid_unicode(value: str) -> str:
-    """Refuse lone UTF-16 surrogates (JSON's `"\\ud800"`): Python accepts them in a `str`, but they
-    cannot be stored, encoded or answered, so they would fail deep inside with a codec message."""
+    """Refuse lone UTF-16 surrogates (JSON's `"\\ud800"`) and NUL: Python accepts both in a `str`,
+    but a surrogate cannot be encoded or answered and PostgreSQL's text cannot hold a NUL, so
+    either would fail deep inside (a 500 on one store, stored on the other) instead of here."""
     found = _SURROGATE.search(value)
     if found is not None:
         raise PydanticCustomError("string_unicode", "contains a lone UTF-16 surrogate (\\u{code}) at character "
                                   "{position}; send valid Unicode text",
                                   {"code": f"{ord(found.group()):04x}", "position": found.start()})
+    nul = value.find("\x00")
+    if nul >= 0:
+        raise PydanticCustomError("string_nul", "contains a NUL character (\\u0000) at character {position}; "
+                                  "text may not contain NUL", {"position": nul})
     return value
 
 
+def is_blank(value: str) -> bool:
+    """The one definition of empty text: nothing but whitespace, control characters and format
+    characters (Unicode Cc / Cf: zero-width spaces and joiners, BOM, soft hyphen), i.e. nothing
+    a reader or an encoder would see."""
+    return all(c.isspace() or unicodedata.category(c) in ("Cc", "Cf") for c in value)
+
+
 def not_blank(value: str) -> str:
-    """Refuse text with nothing but whitespace (it would be encoded as if it said something)."""
-    if not value.strip():
-        raise PydanticCustomError("blank", "must contain some non-whitespace text")
+    """Refuse empty text (`is_blank`): it would be encoded as if it said something."""
+    if is_blank(value):
+        raise PydanticCustomError("blank", "must contain some visible text (not only whitespace, zero-width or "
+                                  "control characters)")
     return value
 
 
 # Every string of a request is one of these, so a bad character is refused naming its field.
 Text = Annotated[str, AfterValidator(valid_unicode)]
 NonBlank = Annotated[str, Field(min_length=1), AfterValidator(valid_unicode), AfterValidator(not_blank)]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(valid_unicode)]
+ShortText = Annotated[str, Field(max_length=MAX_ID_CHARS), AfterValidator(valid_unicode)]
 UserId = Annotated[str, Field(pattern=USER_PATTERN, description="a user id of your tenant (1-256 chars, no '/')"),
                    AfterValidator(valid_unicode)]
 UserPath = Annotated[str, Path(pattern=USER_PATTERN, description="a user id of your tenant")]
+# a memory or job id in a path: no NUL or other control character, at most 256 characters
+ID_PATTERN = r"^[^\x00-\x1f]{1,256}$"
+IdPath = Annotated[str, Path(pattern=ID_PATTERN, description="an id (1-256 characters)")]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # ---- memories -----------------------------------------------------------------------------------
 class MemoryIn(_Strict):
     text: NonBlank = Field(description="what is embedded and shown to the LLM")
-    kind: Text = Field("turn", description=f"one of {list(MEMORY_KINDS)}")
-    id: Text | None = Field(None, min_length=1, max_length=256, description="default: a new random id")
-    refs: list[Text] = Field(default_factory=list, description="dialogue turn ids this memory came from")
+    kind: ShortText = Field("turn", description=f"one of {list(MEMORY_KINDS)}")
+    id: Name | None = Field(None, description="default: a new random id")
+    refs: list[Name] = Field(default_factory=list, max_length=MAX_LIST_ITEMS,
+                             description="dialogue turn ids this memory came from")
     source_text: Text = ""
-    time: Text | None = None
+    time: ShortText | None = None
 
 
 class AddMemoriesIn(_Strict):
@@ -122,10 +150,10 @@ class DeleteUserOut(BaseModel):
 
 # ---- sessions and reflection jobs ---------------------------------------------------------------
 class TurnIn(_Strict):
-    speaker: NonBlank = Field(max_length=256)
+    speaker: NonBlank = Field(max_length=MAX_ID_CHARS)
     text: NonBlank
-    time: Text | None = None
-    id: Text | None = Field(None, description="for whole sessions only; default: <session id>:<position>")
+    time: ShortText | None = None
+    id: Name | None = Field(None, description="for whole sessions only; default: <session id>:<position>")
 
 
 class AddTurnsIn(_Strict):
@@ -141,15 +169,16 @@ class AddTurnsOut(BaseModel):
 
 
 class EndSessionIn(_Strict):
-    speakers: list[Text] | None = Field(None, description="whose facts to extract (default: every speaker "
-                                                          "except the configured assistant names)")
+    speakers: list[Name] | None = Field(None, max_length=MAX_LIST_ITEMS,
+                                        description="whose facts to extract (default: every speaker except the "
+                                                    "configured assistant names)")
     store_turns: bool = Field(False, description="also store each raw turn as a turn memory")
 
 
 class AddSessionIn(EndSessionIn):
     turns: list[TurnIn] = Field(min_length=1)
-    session_id: Text | None = None
-    time: Text | None = None
+    session_id: Name | None = Field(None, description="default: a new id")
+    time: ShortText | None = None
 
 
 class JobOut(BaseModel):
@@ -192,7 +221,7 @@ class RetrieveOut(BaseModel):
 
 
 class FeedbackIn(_Strict):
-    selection_id: Text = Field(min_length=1)
+    selection_id: Name
     cited: list[int] | None = Field(None, description="indices (0-based, as shown) of the memories the answer used")
     text: Text | None = Field(None, description="the LLM's raw reply; citations are parsed from it")
     no_cite: bool = Field(False, description="the answer used none of the shown memories")
@@ -200,11 +229,23 @@ class FeedbackIn(_Strict):
 
 
 # ---- operations ---------------------------------------------------------------------------------
+class QueryEngineOut(BaseModel):
+    engine: str = Field(description="the query engine serving (rmm.encoders.query.precision.QUERY_ENGINES)")
+    requested: str = Field(description="query_precision as configured (auto: the fastest measured here)")
+    cached: bool = Field(description="the timings came from the cache of an earlier start on this machine")
+    batch_sizes: list[int] = Field(description="the probe micro-batch sizes")
+    ms_per_query: dict[str, dict[str, float]] = Field(description="engine -> batch size -> ms per query")
+    skipped: dict[str, str] = Field(description="engine -> why it was not timed (or not fully)")
+    note: str = ""
+
+
 class HealthOut(BaseModel):
-    status: str
+    status: str = Field(description='"ok", or "unavailable" (answered 503) while the store is unreachable')
+    store: str = Field(description='"ok", "busy" (every database connection in use) or "unavailable"')
     encoder: str
     dim: int
     batching: bool
     max_batch: int
     max_wait_ms: float
     torch_threads: int = Field(description="intra-op CPU threads the server computes with")
+    query_engine: QueryEngineOut = Field(description="the query engine and the start-up measurement that chose it")

@@ -29,22 +29,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rmm.errors import ConfigError
 from rmm.encoders.protocol import EncoderLike
+from rmm.encoders.query.choice import EngineChoice, choose_query_engine, probe_batch_sizes
+from rmm.encoders.query.locked import LockedEncoder
+from rmm.encoders.query.process import ProcessQueryEncoder, QueryProcessSpec
+from rmm.errors import ConfigError
 from rmm.memory.bank import MemoryBank
 from rmm.memory.index import CPU_PRECISIONS
 from rmm.memory.sessions import SessionLog
+from rmm.paths import cache_dir
 from rmm.policy.learner import Learner, is_normalized_encoder
 from rmm.policy.registry import SHARED, LearnerRegistry, checkpoint_exists
 from rmm.serve.config import ServeConfig
 from rmm.serve.feedback import FeedbackLearner
 from rmm.serve.jobs import Handler, Job, Jobs
-from rmm.encoders.query.locked import LockedEncoder
 from rmm.serve.maintenance import Maintenance
 from rmm.serve.memories import UserMemories
 from rmm.serve.pending import Selections, SelectionStore
-from rmm.encoders.query.precision import query_encoder
-from rmm.encoders.query.process import ProcessQueryEncoder, QueryProcessSpec
 from rmm.serve.records import (
     FeedbackResult,
     NewMemory,
@@ -101,17 +102,23 @@ class RetrievalService:
             raise ConfigError(f"index_precision {config.index_precision!r} needs an embedding size divisible by "
                               f"{multiple}; {encoder.name} has {encoder.dim} (use float16)")
         self.query_process: ProcessQueryEncoder | None = None
+        # the query engine is timed on the micro-batch sizes this server's batcher makes (rmm.encoders.query.choice)
+        sizes = probe_batch_sizes(config.batching.enabled, config.batching.max_batch)
         on_cpu = getattr(encoder, "device", torch.device("cpu")).type == "cpu"
         if config.query_process == "on" or (config.query_process == "auto" and loads_encoder and on_cpu):
             if not loads_encoder or not on_cpu:
                 raise ConfigError("query_process: on needs the server to load its encoder (`encoder:`) onto the CPU")
             # the child builds the query path (`query_precision`); this process keeps the float
             # encoder for passages
-            self.query_process = ProcessQueryEncoder(
-                encoder, QueryProcessSpec(config.encoder, config.query_precision, config.torch_threads))
+            self.query_process = ProcessQueryEncoder(encoder, QueryProcessSpec(
+                config.encoder, config.query_precision, config.torch_threads, sizes, str(cache_dir())))
+            assert self.query_process.choice is not None  # set by a started child
+            self._query_engine: EngineChoice = self.query_process.choice
             self.encoder = LockedEncoder(self.query_process)
         else:
-            self.encoder = LockedEncoder(query_encoder(encoder, config.query_precision))
+            query_path, self._query_engine = choose_query_engine(encoder, config.query_precision, batch_sizes=sizes,
+                                                                cache_dir=cache_dir())
+            self.encoder = LockedEncoder(query_path)
         try:
             self._build(config, encoder, llm)
         except BaseException:  # nothing half-built may outlive the failure: above all not the child process
@@ -184,6 +191,7 @@ class RetrievalService:
         """Load the configured tenants' rerankers (so `/metrics` shows their learning from the
         start), then start the reflection worker (queued jobs resume) and the maintenance thread."""
         self._load_rerankers()
+        self.feedback_learner.replay()  # feedback stored after the last checkpoint (a crash), SQLite only
         self.jobs.start()
         self.maintenance.start()
         if self.shared_learning is not None:
@@ -226,8 +234,9 @@ class RetrievalService:
         return self.learners.get(key)
 
     def checkpoint(self) -> int:
-        """Save every reranker that learned something since its last save; returns how many."""
-        return self.learners.save()
+        """Save every reranker that learned something since its last save; returns how many
+        (the feedback they hold is marked, so a restart replays only what came after)."""
+        return self.feedback_learner.checkpoint(self.learners.save)
 
     # ---- users and memories ----------------------------------------------------------------
     def require_user(self, tenant: str, user: str) -> str:
@@ -290,6 +299,14 @@ class RetrievalService:
         return self.reflection.job(tenant, job_id)
 
     # ---- introspection ---------------------------------------------------------------------
+    @property
+    def query_engine(self) -> EngineChoice:
+        """The query engine serving now and the measurement that chose it (with a query process:
+        its current child's)."""
+        if self.query_process is not None and self.query_process.choice is not None:
+            return self.query_process.choice
+        return self._query_engine
+
     def stats(self) -> dict[str, Any]:
         """What `/metrics` reports at scrape time (pending selections, jobs, learners).
 

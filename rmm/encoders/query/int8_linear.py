@@ -7,14 +7,15 @@ queries of its micro-batch and on their padding, so a request's ranking changed 
 was asking. With a scale per row the integer matmul (exact) sees the same numbers for a row
 whatever else is in the batch.
 
-The matmul runs on oneDNN's prepacked int8 kernel where torch has it (`onednn::qlinear_pointwise`,
-the op torch's own x86 quantization lowers to; AMX/VNNI instead of `torch._int_mm`, which re-lays
-out the weight on every call): told that the input scale is 1, it returns the exact int32 products
-times each output channel's scale — the same floats as `torch._int_mm`'s products rescaled, to the
-bit — and the row scale and bias follow in one `addcmul`: micro-batches of 16 and 32 queries encode
-in 1.13x and 1.23x less CPU time (`python scripts/bench_query_encoder.py`, its `int8 _int_mm`
-column), while a lone query's handful of rows is no faster there (`PACKED_MIN_ROWS`). A row's
-result is the same on either path and never depends on the other rows.
+Two kernels compute the same integer products. `int_mm` (the default) is `torch._int_mm`, the
+public, portable one. `onednn` puts layers of `PACKED_MIN_ROWS` rows or more on oneDNN's prepacked
+int8 kernel (`onednn::qlinear_pointwise`, the op torch's own x86 quantization lowers to): told that
+the input scale is 1, it returns the exact int32 products times each output channel's scale — the
+same floats as `torch._int_mm`'s products rescaled, to the bit. It is 1.13-1.23x faster in
+micro-batches of 16-32 queries on an Intel Xeon with AMX and ~1,500x slower on an AMD EPYC without
+AMX (issue 34's figures), so it runs only where `rmm.encoders.query.choice` measured it faster on
+the machine itself (the `int8-onednn` engine), never by default. A row's result is the same on
+either kernel and never depends on the other rows.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import copy
 import torch
 from torch import nn
 
-__all__ = ["RowInt8Linear", "int8_kernels", "quantize_linears", "quantize_rows"]
+__all__ = ["INT8_KERNELS", "RowInt8Linear", "int8_kernels", "quantize_linears", "quantize_rows"]
 
 _TINY = 1e-12  # the smallest scale: an all-zero row stays zero instead of dividing by zero
-PACKED_MIN_ROWS = 32  # fewer rows (one short query's tokens) go through torch._int_mm: less call overhead
+INT8_KERNELS = ("int_mm", "onednn")
+PACKED_MIN_ROWS = 32  # with `onednn`, fewer rows (one short query's tokens) go through torch._int_mm: less call overhead
 # oneDNN builds (0.4-0.8 ms) and caches a kernel per row count; rows are padded to a multiple of this
 # so a server's ever-changing micro-batch sizes reuse a few dozen kernels instead of building new ones
 ROW_BLOCK = 16
@@ -68,8 +70,11 @@ class RowInt8Linear(nn.Module):
     """`nn.Linear` in int8: weights per output channel, each input row quantized with its own
     scale (symmetric, ±127), an exact int32 matmul, then one float rescale per element."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernel: str = "int_mm") -> None:
         super().__init__()
+        if kernel not in INT8_KERNELS:
+            raise ValueError(f"int8 kernel must be one of {INT8_KERNELS}, got {kernel!r}")
+        self.kernel = kernel
         weight = linear.weight.detach().float()
         scale = weight.abs().amax(dim=1).clamp(min=_TINY) / 127.0
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -83,8 +88,9 @@ class RowInt8Linear(nn.Module):
         self.prepack()
 
     def prepack(self) -> None:
-        """Lay the weight out for oneDNN's kernel (after building or after moving the buffers)."""
-        self._packed = _prepacked(self.weight_int8.T.contiguous())
+        """Lay the weight out for oneDNN's kernel (after building or after moving the buffers); the
+        `int_mm` kernel needs no layout of its own."""
+        self._packed = _prepacked(self.weight_int8.T.contiguous()) if self.kernel == "onednn" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         quantized, scale = quantize_rows(x.reshape(-1, self.in_features).float())
@@ -98,13 +104,13 @@ class RowInt8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_linears(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose linear layers run in int8 (`RowInt8Linear`)."""
+def quantize_linears(model: nn.Module, kernel: str = "int_mm") -> nn.Module:
+    """A copy of `model` whose linear layers run in int8 (`RowInt8Linear` on `kernel`)."""
     copied = copy.deepcopy(model)
     for module in list(copied.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):  # the encoder's oneDNN subclass too
-                setattr(module, name, RowInt8Linear(child))
+                setattr(module, name, RowInt8Linear(child, kernel))
     return copied
 
 

@@ -51,7 +51,7 @@ class _Layer:
     output_norm: nn.LayerNorm
 
 
-def _fused(*linears: nn.Linear) -> RowInt8Linear:
+def _fused(*linears: nn.Linear, kernel: str) -> RowInt8Linear:
     """One int8 linear computing all of `linears` (outputs concatenated): the input is quantized
     once, and the weights keep one scale per output channel, so each part equals its own layer."""
     weight = torch.cat([linear.weight.detach().float() for linear in linears])
@@ -60,14 +60,14 @@ def _fused(*linears: nn.Linear) -> RowInt8Linear:
     with torch.no_grad():
         fused.weight.copy_(weight)
         fused.bias.copy_(bias)
-    return RowInt8Linear(fused)
+    return RowInt8Linear(fused, kernel)
 
 
 class PackedInt8Bert:
     """`__call__(sequences)` → the last hidden states of each token-id list, packed [tokens, hidden]
     in the order given (`unpack` turns them into [B, T, hidden] for pooling)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kernel: str = "int_mm") -> None:
         if not packable(model):
             raise ValueError(f"not a plain BERT encoder: {type(model).__name__}")
         config: Any = model.config
@@ -82,9 +82,9 @@ class PackedInt8Bert:
         for layer in model.encoder.layer:
             attention: Any = layer.attention
             self.layers.append(_Layer(
-                qkv=_fused(attention.self.query, attention.self.key, attention.self.value),
-                attention_out=RowInt8Linear(attention.output.dense), attention_norm=attention.output.LayerNorm,
-                up=RowInt8Linear(layer.intermediate.dense), down=RowInt8Linear(layer.output.dense),
+                qkv=_fused(attention.self.query, attention.self.key, attention.self.value, kernel=kernel),
+                attention_out=RowInt8Linear(attention.output.dense, kernel), attention_norm=attention.output.LayerNorm,
+                up=RowInt8Linear(layer.intermediate.dense, kernel), down=RowInt8Linear(layer.output.dense, kernel),
                 output_norm=layer.output.LayerNorm))
 
     @torch.inference_mode()

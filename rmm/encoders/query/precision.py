@@ -16,18 +16,19 @@ query whatever its batch; what is left is float rounding of the attention over p
 (as float32 has), which can flip an activation's rounding to int8 now and then
 (`scripts/recall_query_batching.py` measures both against float32 and alone vs batched).
 
-`int8-onnx` runs the same scheme as an ONNX graph in ONNX Runtime (`rmm.encoders.onnx_backend`,
-the optional `rmm[onnx]` extra): at one thread ~2.1x less CPU than torch's int8 for a query
-encoded alone, 1.1-1.2x in micro-batches of 32 (`scripts/bench_onnx_encoder.py`), the same recall
-and batch invariance on LoCoMo (`scripts/recall_onnx_query_batching.py`); its vectors differ
-from torch int8's by float rounding in the non-quantized ops (cosine > 0.997). Opt-in: `auto`
-stays torch.
+The engines (`QUERY_ENGINES`): `float32` (the encoder itself); `int8` (torch, the packed forward
+of `rmm.encoders.query.packed_bert` for a plain BERT, else padded; every linear on the portable
+`torch._int_mm`); `int8-onednn` (the same with layers of 32+ rows on oneDNN's prepacked kernel);
+`int8-padded` (each query padded to a multiple of 8 tokens, one forward per length); `int8-onnx`
+(the same scheme as an ONNX graph in ONNX Runtime, `rmm.encoders.onnx_backend`, when onnxruntime
+is installed: the `rmm[onnx]` extra). Which is fastest depends on the CPU by orders of magnitude
+(oneDNN's int8 kernel: 1.2x faster on an Intel Xeon with AMX, ~1,500x slower on an AMD EPYC), so
+`auto` is chosen by `rmm.encoders.query.choice`, which times them on the machine itself.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -39,11 +40,11 @@ from rmm.encoders.protocol import EncoderLike
 from rmm.encoders.query.int8_linear import RowInt8Linear, int8_kernels, quantize_linears
 from rmm.encoders.query.packed_bert import PackedInt8Bert, packable, unpack
 
-__all__ = ["QUERY_PRECISIONS", "Int8QueryEncoder", "RowInt8Linear", "quantize_linears", "query_encoder"]
+__all__ = ["QUERY_ENGINES", "QUERY_PRECISIONS", "Int8QueryEncoder", "RowInt8Linear", "build_engine", "quantize_linears"]
 
-log = logging.getLogger(__name__)
 
-QUERY_PRECISIONS = ("auto", "float32", "int8", "int8-onnx")
+QUERY_ENGINES = ("float32", "int8", "int8-onednn", "int8-padded", "int8-onnx")
+QUERY_PRECISIONS = ("auto", *QUERY_ENGINES)  # auto: the fastest engine measured here (rmm.encoders.query.choice)
 PAD_MULTIPLE = 8  # queries are padded to a multiple of this many tokens (see Int8QueryEncoder.encode_queries)
 
 
@@ -55,10 +56,11 @@ class Int8QueryEncoder:
     a cached ONNX graph in ONNX Runtime; raises `OnnxBackendError` when that cannot run). With
     `torch`, a plain BERT encoder (MiniLM, Contriever) runs packed — a micro-batch's tokens without
     padding, one pass (`rmm.encoders.query.packed_bert`); `packed=False` or any other model pads each query
-    to a multiple of `PAD_MULTIPLE` tokens instead.
+    to a multiple of `PAD_MULTIPLE` tokens instead; `kernel` is the int8 matmul
+    (`rmm.encoders.query.int8_linear.INT8_KERNELS`).
     """
 
-    def __init__(self, encoder: Any, engine: str = "torch", *, packed: bool = True) -> None:
+    def __init__(self, encoder: Any, engine: str = "torch", *, packed: bool = True, kernel: str = "int_mm") -> None:
         if getattr(encoder, "device", torch.device("cpu")).type != "cpu":
             raise ConfigError("query_precision: int8 runs on the CPU; the encoder is on "
                               f"{encoder.device} (use float32 there)")
@@ -66,7 +68,7 @@ class Int8QueryEncoder:
             raise ConfigError(f"int8 engine must be 'torch' or 'onnx', got {engine!r}")
         self.inner = encoder
         self.name, self.dim, self.fingerprint = encoder.name, int(encoder.dim), encoder.fingerprint
-        self.engine = engine
+        self.engine, self.kernel = engine, kernel
         self._queries = copy.copy(encoder)  # shares the tokenizer, config and dense head
         if engine == "onnx":
             from rmm.encoders.onnx_backend import open_graph
@@ -74,9 +76,9 @@ class Int8QueryEncoder:
             self._forward: Callable[[dict[str, torch.Tensor]], torch.Tensor] = open_graph(encoder, "int8-rows")
         self._packed: PackedInt8Bert | None = None
         if engine == "torch" and packed and packable(encoder.model):
-            self._packed = PackedInt8Bert(encoder.model)
+            self._packed = PackedInt8Bert(encoder.model, kernel)
         elif engine == "torch":
-            self._queries.model = quantize_linears(encoder.model)
+            self._queries.model = quantize_linears(encoder.model, kernel)
             self._forward = self._queries.embed
 
     @torch.inference_mode()
@@ -123,31 +125,34 @@ def _pad_to(inputs: dict[str, torch.Tensor], length: int, side: str, pad_id: int
     return padded
 
 
-def query_encoder(encoder: EncoderLike, precision: str) -> EncoderLike:
-    """The encoder the server should use for `precision` (`auto`: int8 for a transformer encoder
-    on the CPU when this torch has int8 kernels, else float32; `int8-onnx`: int8 in ONNX Runtime,
-    asked for explicitly, so it fails with one line rather than falling back)."""
-    if precision not in QUERY_PRECISIONS:
-        raise ConfigError(f"query_precision must be one of {list(QUERY_PRECISIONS)}, got {precision!r}")
-    transformer = isinstance(getattr(encoder, "model", None), nn.Module)
-    on_cpu = getattr(encoder, "device", torch.device("cpu")).type == "cpu"
-    kernels = int8_kernels()
-    if precision == "auto":
-        precision = "int8" if transformer and on_cpu and kernels else "float32"
-    if precision == "float32":
+def build_engine(encoder: EncoderLike, engine: str) -> EncoderLike:
+    """The query encoder `engine` (one of `QUERY_ENGINES`) over `encoder`, whose passages, name and
+    fingerprint it keeps; `ConfigError` (one line, the reason) where it cannot run here."""
+    if engine not in QUERY_ENGINES:
+        raise ConfigError(f"query_precision must be one of {list(QUERY_PRECISIONS)}, got {engine!r}")
+    if engine == "float32":
         return encoder
-    if not transformer:
-        raise ConfigError(f"query_precision: int8 needs a transformer encoder; {encoder.name!r} is not one")
-    if precision == "int8-onnx":
+    if not isinstance(getattr(encoder, "model", None), nn.Module):
+        raise ConfigError(f"query_precision: {engine} needs a transformer encoder; {encoder.name!r} is not one")
+    if engine == "int8-onnx":
         from rmm.encoders.onnx_backend import OnnxBackendError
 
         try:
-            onnx_encoder = Int8QueryEncoder(encoder, engine="onnx")
+            return Int8QueryEncoder(encoder, engine="onnx")
         except OnnxBackendError as err:
             raise ConfigError(f"query_precision: int8-onnx: {err}") from err
-        log.info("query encoder %s: int8 in ONNX Runtime (passages stay float32)", encoder.name)
-        return onnx_encoder
-    if not kernels:
-        raise ConfigError("query_precision: int8 needs torch's int8 CPU matmul (torch._int_mm), which this build lacks")
-    log.info("query encoder %s: linear layers in int8 (passages stay float32)", encoder.name)
-    return Int8QueryEncoder(encoder)
+    if not int8_kernels():
+        raise ConfigError(f"query_precision: {engine} needs torch's int8 CPU matmul (torch._int_mm), which this build lacks")
+    kernel = "onednn" if engine == "int8-onednn" else "int_mm"
+    fast = Int8QueryEncoder(encoder, packed=engine != "int8-padded", kernel=kernel)
+    if kernel == "onednn" and not _on_onednn(fast):
+        raise ConfigError("query_precision: int8-onednn needs oneDNN's int8 kernel (onednn::qlinear_prepack), "
+                          "which this torch lacks")
+    return fast
+
+
+def _on_onednn(fast: Int8QueryEncoder) -> bool:
+    """Whether `fast`'s linear layers really got oneDNN's prepacked weights."""
+    layers = fast._packed.layers if fast._packed is not None else []
+    modules = [layer.qkv for layer in layers] or list(fast._queries.model.modules())
+    return any(isinstance(m, RowInt8Linear) and m._packed is not None for m in modules)

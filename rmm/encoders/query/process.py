@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ import torch
 
 from rmm.errors import ConfigError
 from rmm.encoders.protocol import EncoderLike
+from rmm.encoders.query.choice import EngineChoice
 from rmm.errors import EncoderUnavailableError
 
 __all__ = ["ProcessQueryEncoder", "QueryProcessSpec"]
@@ -53,11 +55,15 @@ _STOP_TIMEOUT_S = 5.0  # a closed child exits at once; after this it is terminat
 @dataclass(frozen=True)
 class QueryProcessSpec:
     """What the child needs to build the server's query encoder: `load_encoder(encoder)` on the
-    CPU, then `query_encoder(…, precision)`, at `threads` intra-op threads."""
+    CPU at `threads` intra-op threads, then the engine `precision` asks for, measured on the child's
+    own threads (`choose_query_engine` over probe batches of `batch_sizes`, its timings cached
+    under `cache_dir`)."""
 
     encoder: str
     precision: str
     threads: int | None
+    batch_sizes: tuple[int, ...] = (1, 16, 32)
+    cache_dir: str | None = None
 
 
 # ---- the child ----------------------------------------------------------------------------
@@ -71,13 +77,15 @@ def _serve(conn: Connection, spec: QueryProcessSpec) -> None:
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         from rmm.encoders import load_encoder
-        from rmm.encoders.query.precision import query_encoder
+        from rmm.encoders.query.choice import choose_query_engine
 
-        encoder = query_encoder(load_encoder(spec.encoder, device="cpu", show_progress=False), spec.precision)
+        encoder, choice = choose_query_engine(load_encoder(spec.encoder, device="cpu", show_progress=False),
+                                              spec.precision, batch_sizes=spec.batch_sizes,
+                                              cache_dir=None if spec.cache_dir is None else Path(spec.cache_dir))
     except BaseException as err:  # noqa: BLE001 - whatever stops the load is the parent's error message
         _reply(conn, "error", err)
         return
-    _reply(conn, "ready", str(encoder.fingerprint))
+    _reply(conn, "ready", (str(encoder.fingerprint), choice.to_json()))
     while True:
         try:
             texts = conn.recv()
@@ -138,6 +146,7 @@ class ProcessQueryEncoder:
         self._lock = threading.Lock()  # (re)starting the child
         self._child: _Child | None = None
         self._closed = False
+        self.choice: EngineChoice | None = None  # the engine the (last started) child runs, and why
         self._running()
 
     @property
@@ -181,9 +190,11 @@ class ProcessQueryEncoder:
             child.stop()
             raise ConfigError(f"the query encoder process for {self.spec.encoder!r} did not start: "
                               f"{type(payload).__name__}: {payload}")
-        if payload != self.fingerprint:
+        fingerprint, choice = payload
+        if fingerprint != self.fingerprint:
             child.stop()
-            raise ConfigError(f"the query encoder process loaded {payload}, not the server's {self.fingerprint}")
+            raise ConfigError(f"the query encoder process loaded {fingerprint}, not the server's {self.fingerprint}")
+        self.choice = EngineChoice.from_json(choice)
         log.info("query encoder %s: in its own process (pid %s)", self.name, child.pid)
         return child
 

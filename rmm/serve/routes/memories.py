@@ -11,6 +11,7 @@ from rmm.serve.schemas import (
     AddMemoriesOut,
     DeleteMemoryOut,
     DeleteUserOut,
+    IdPath,
     MemoriesOut,
     MemoryOut,
     UserPath,
@@ -50,7 +51,7 @@ def list_memories(user: UserPath, tenant: Tenant, service: Service) -> MemoriesO
 
 # `:path`: memory ids are the caller's, and may contain "/" (sent percent-encoded)
 @router.delete("/users/{user}/memories/{memory_id:path}", response_model=DeleteMemoryOut)
-def delete_memory(user: UserPath, memory_id: str, tenant: Tenant, service: Service) -> DeleteMemoryOut:
+def delete_memory(user: UserPath, memory_id: IdPath, tenant: Tenant, service: Service) -> DeleteMemoryOut:
     dropped = service.delete_memory(tenant, user, memory_id)
     return DeleteMemoryOut(user=user, memory_id=memory_id, selections_dropped=dropped)
 

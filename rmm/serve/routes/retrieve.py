@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from rmm.serve.deps import API_PREFIX, Limits, Retrievals, Service, Telemetry, Tenant
-from rmm.serve.records import RetrieveItem
+from rmm.serve.http_errors import classify, shorten
+from rmm.serve.records import QueryError, RetrieveItem, RetrieveResult
 from rmm.serve.schemas import RetrieveIn, RetrieveOut
 
 __all__ = ["router"]
@@ -17,7 +18,10 @@ router = APIRouter(prefix=API_PREFIX, tags=["retrieval"])
 async def retrieve(body: RetrieveIn, tenant: Tenant, service: Service, batcher: Retrievals, limits: Limits,
                    metrics: Telemetry) -> RetrieveOut:
     """Memories for many queries at once; concurrent requests are micro-batched together.
-    Each result's `selection_id` is what feedback refers to."""
+    Each result's `selection_id` is what feedback refers to. Each query is answered on its own: a
+    query that fails (e.g. an unknown user) while others succeed gets a result with `error`
+    (`status`, `code`, `detail`) and no memories; when every query fails, the request answers the
+    first query's error as a whole (so a one-query request answers exactly as before)."""
     limits.count(len(body.queries), limits.config.max_queries, "queries")
     limits.texts([q.query for q in body.queries], "queries")
     config = service.config
@@ -31,6 +35,15 @@ async def retrieve(body: RetrieveIn, tenant: Tenant, service: Service, batcher: 
             raise limits.refuse(f"queries[{i}]: cannot show m={m} memories out of k={k} candidates")
         items.append(RetrieveItem(tenant=tenant, user=q.user, query=q.query, k=k, m=m,
                                   explore=config.explore if q.explore is None else q.explore))
-    results = await batcher.submit_many(items)
-    metrics.queries.inc(len(results))
+    answers = await batcher.submit_each(items)
+    metrics.queries.inc(len(answers))
+    if all(isinstance(a, BaseException) for a in answers):
+        raise answers[0]  # type: ignore[misc]
+    results = []
+    for item, answer in zip(items, answers):
+        if isinstance(answer, BaseException):
+            status, code, detail = classify(answer)
+            answer = RetrieveResult(user=item.user, query=item.query, selection_id=None, explore=item.explore,
+                                    expires_at=None, memories=[], error=QueryError(status, code, shorten(detail)))
+        results.append(answer)
     return RetrieveOut(results=results)

@@ -10,6 +10,7 @@ from rmm.serve.schemas import (
     AddTurnsIn,
     AddTurnsOut,
     EndSessionIn,
+    IdPath,
     JobOut,
     TurnIn,
     UserPath,
@@ -28,8 +29,14 @@ def _check_turns(turns: list[TurnIn], limits: Limits) -> None:
 
 @router.post("/users/{user}/turns", response_model=AddTurnsOut, status_code=201)
 def add_turns(user: UserPath, body: AddTurnsIn, tenant: Tenant, service: Service, limits: Limits) -> AddTurnsOut:
-    """Append turns to the user's open session (kept until the session ends)."""
+    """Append turns to the user's open session (kept until the session ends). The server numbers
+    appended turns itself (<session id>:<position>), so a turn `id` is refused here rather than
+    silently dropped (send ids with a whole session: `POST /v1/users/{user}/sessions`)."""
     _check_turns(body.turns, limits)
+    for i, turn in enumerate(body.turns):
+        if turn.id is not None:
+            raise limits.refuse(f"turns[{i}].id: appended turns are numbered by the server (<session id>:<position>); "
+                                "send turn ids only with a whole session (POST /v1/users/{user}/sessions)")
     turns = service.append_turns(tenant, user, [(t.speaker, t.text) for t in body.turns])
     return AddTurnsOut(user=user, session_id=turns[0].session_id, turn_ids=[t.id for t in turns])
 
@@ -52,5 +59,5 @@ def add_session(user: UserPath, body: AddSessionIn, tenant: Tenant, service: Ser
 
 
 @router.get("/jobs/{job_id}", response_model=JobOut)
-def get_job(job_id: str, tenant: Tenant, service: Service) -> JobOut:
+def get_job(job_id: IdPath, tenant: Tenant, service: Service) -> JobOut:
     return JobOut.of(service.job(tenant, job_id))
