@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from rmm.errors import DeviceUnavailableError
@@ -38,3 +45,27 @@ def default_dtype(device: torch.device, dtype: str | torch.dtype | None = "auto"
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
+
+
+def cpu_fingerprint() -> dict[str, Any]:
+    """What a timing of a CPU fast path depends on besides its inputs: the CPU model and flags, the
+    thread count, the libraries (`rmm.encoders.query.choice`, `rmm.memory.scan_choice` key their
+    caches by it)."""
+    model, flags = "", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and not model:
+                model = value
+            elif key in ("flags", "Features") and not flags:
+                flags = value
+    except OSError:  # not Linux: the platform's word for the processor
+        pass
+    try:
+        onnxruntime = importlib.metadata.version("onnxruntime")
+    except importlib.metadata.PackageNotFoundError:
+        onnxruntime = None
+    return {"cpu": model or platform.processor() or platform.machine(),
+            "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+            "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "onnxruntime": onnxruntime, "threads": torch.get_num_threads(), "cores": os.cpu_count()}

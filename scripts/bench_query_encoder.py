@@ -123,7 +123,7 @@ def verdict(best_at: dict[int, dict[str, float]], auto: str) -> list[str]:
 
 
 def cpu_name() -> str:
-    from rmm.encoders.query.choice import cpu_fingerprint
+    from rmm.device import cpu_fingerprint
 
     return str(cpu_fingerprint()["cpu"])
 

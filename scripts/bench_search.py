@@ -2,14 +2,19 @@
 """Benchmark vector search: exact torch vs faiss flat / IVF / HNSW (rmm.memory.index wrappers).
 
 `torch-bfloat16` / `torch-float16` / `torch-int8` / `torch-int4` are the torch index scanning
-in that precision (the `index_precision` setting); their note gives the single-query speed-up
-over `torch` (float32) in the same run.
+in that precision (the `index_precision` setting) as asked, unmeasured; `torch-auto` scans what
+`rmm.memory.scan_choice` measures fastest here (its note names it). `faiss-sq8` / `faiss-sq4`
+are faiss's own scalar-quantised indexes (8 / 4 bits per dimension, each dimension's range
+trained on the bank) re-ranking the best 2k+8 exactly (`IndexRefineFlat`): the public
+counterparts of the torch index's int8 / int4 scans (`rmm.memory.scans` records the comparison).
+Their note gives the single-query speed-up over `torch` (float32) in the same run.
 
 `--users U` builds U indexes of each size (a server's users, each with its own bank) and sends
 each query to a random one, so the scanned rows come from memory rather than the cache, as in a
 server with many users (recall is checked on the first):
 
-    python scripts/bench_search.py --sizes 10000 --users 32 --backends torch torch-int8 torch-int4 --threads 1
+    python scripts/bench_search.py --sizes 10000 --users 32 --backends torch torch-int8 torch-int4 \
+        faiss-sq8 faiss-sq4 torch-auto --threads 1 --queries 400
 
 For each size: random unit-norm float32 vectors (default 384-d, the MiniLM size), build each
 index, then time single-query search (p50 over `--queries` queries) and batch-64 search (time per
@@ -63,17 +68,49 @@ def make_data(n: int, dim: int, kind: str, rng: np.random.Generator, centres: np
     return out
 
 
-def new_index(backend: str, args: argparse.Namespace) -> VectorIndex:
-    """An empty index of `backend` (`torch[-PRECISION]` or `faiss-KIND`) with the command's options."""
+class FaissScalarQuantized:
+    """faiss's own scalar-quantised index with re-ranking (`faiss-sq8`, `faiss-sq4`): an
+    `IndexScalarQuantizer` (8 or 4 bits per dimension, each dimension's range trained on the bank)
+    under an `IndexRefineFlat` that re-scores the best `2k+8` exactly, as the torch index's
+    lower precisions do. Only `add` and `search`: what this benchmark calls."""
+
+    def __init__(self, dim: int, bits: int) -> None:
+        import faiss
+
+        self._faiss, self.dim = faiss, dim
+        qtype = {8: faiss.ScalarQuantizer.QT_8bit, 4: faiss.ScalarQuantizer.QT_4bit}[bits]
+        self._base = faiss.IndexScalarQuantizer(dim, qtype, faiss.METRIC_INNER_PRODUCT)
+        self._index = faiss.IndexRefineFlat(self._base)
+        self._ids: list[str] = []
+
+    def add(self, ids: list[str], vectors: torch.Tensor) -> None:
+        data = np.ascontiguousarray(vectors.numpy(), dtype=np.float32)
+        if not self._index.is_trained:
+            self._index.train(data)
+        self._index.add(data)
+        self._ids.extend(ids)
+
+    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, list[list[str]]]:
+        k = min(k, len(self._ids))
+        params = self._faiss.IndexRefineSearchParameters(k_factor=(2 * k + 8) / k)
+        scores, rows = self._index.search(np.ascontiguousarray(queries.numpy(), dtype=np.float32), k, params=params)
+        return torch.from_numpy(scores), [[self._ids[r] for r in row if r >= 0] for row in rows.tolist()]
+
+
+def new_index(backend: str, args: argparse.Namespace) -> VectorIndex | FaissScalarQuantized:
+    """An empty index of `backend` (`torch[-PRECISION]`, `faiss-sq8`/`faiss-sq4` or `faiss-KIND`) with the
+    command's options."""
+    if backend in ("faiss-sq8", "faiss-sq4"):
+        return FaissScalarQuantized(args.dim, int(backend.removeprefix("faiss-sq")))
     if backend.startswith("torch"):
         precision = backend.removeprefix("torch").removeprefix("-") or "float32"
-        return TorchIndex(args.dim, device=args.device, precision=precision)
+        return TorchIndex(args.dim, device=args.device, precision=precision, measured=precision == "auto")
     return FaissIndex(args.dim, backend.removeprefix("faiss-"), nlist=args.nlist, nprobe=args.nprobe,
                       hnsw_m=args.hnsw_m, ef_construction=args.ef_construction, ef_search=args.ef_search,
                       seed=args.seed)
 
 
-def time_queries(indexes: list[VectorIndex], queries: torch.Tensor, k: int, seed: int) -> tuple[float, float]:
+def time_queries(indexes: list[VectorIndex | FaissScalarQuantized], queries: torch.Tensor, k: int, seed: int) -> tuple[float, float]:
     """(median ms of one query, ms per query in batches of 64), each search on a random one of
     `indexes` (the same sequence for every backend)."""
     for index in indexes:
@@ -166,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
                             if index.is_trained_ivf else "below train_threshold: exact flat fallback")
             row.p50_ms, row.batch_ms = time_queries(indexes, queries, args.k, args.seed)
             float32 = next((r for r in rows if r.size == n and r.backend == "torch" and r.p50_ms), None)
-            if backend.startswith("torch-") and float32 is not None and float32.p50_ms and float32.batch_ms:
+            if backend.startswith(("torch-", "faiss-sq")) and float32 is not None and float32.p50_ms and float32.batch_ms:
                 row.note = (f"{float32.p50_ms / row.p50_ms:.2f}x float32 (1 q), "
                             f"{float32.batch_ms / (row.batch_ms or 1):.2f}x (batch 64)")
+            if backend == "torch-auto" and isinstance(index, TorchIndex):
+                plan = ", ".join(f"{precision} at {batch} q" for batch, precision in index.scan_plan.items())
+                row.note = f"scans {plan}; {row.note}".rstrip("; ")
             found = index.search(queries, args.k)[1]
             if truth is None and backend == "torch":
                 truth = found

@@ -4,12 +4,13 @@ in recall and buys in speed.
 
 Recall@K on LoCoMo (turn granularity, `rmm eval`'s runner and headline: categories 1-4) with the
 real MiniLM bank: the same stored float32 vectors and the same query vectors, searched by a
-`TorchIndex` per user at float32 and at each lower precision. Also reports how often a question's
-top-max(K) ids differ from float32's and the search time per query (one query at a time, one
-thread, median); and, since a LoCoMo user has only 369-689 memories, the same with every turn of
-all conversations in one index (5,882 rows): how often the shortlist of 2K+8 missed a true top-K
-member (the top-K *set* differs) rather than re-ordering near-ties. Acceptable when no recall drops by more than `--max-drop` points (default 0.5);
-exits 1 otherwise.
+`TorchIndex` per user at float32 and at each lower precision (each kernel as asked:
+`measured=False`). Also reports how often a question's top-max(K) ids differ from float32's and
+the search time per query (one query at a time, one thread, median); and, since a LoCoMo user has
+only 369-689 memories, the same with every turn of all conversations in one index (5,882 rows):
+how often the shortlist of 2K+8 missed a true top-K member (the top-K *set* differs) rather than
+re-ordering near-ties. Acceptable when no recall drops by more than `--max-drop` points (default
+0.5); exits 1 otherwise.
 
     python scripts/recall_index_precision.py
 """
@@ -47,7 +48,7 @@ class PrecisionRetriever:
     def _index(self, user: str) -> TorchIndex:
         if user not in self.indexes:
             ids, vectors = self.bank.store.embeddings(user)
-            index = TorchIndex(vectors.shape[1], device="cpu", precision=self.precision)
+            index = TorchIndex(vectors.shape[1], device="cpu", precision=self.precision, measured=False)
             index.add(ids, vectors)
             self.indexes[user] = index
         return self.indexes[user]
@@ -130,7 +131,7 @@ def one_bank(dataset, bank, query_vectors: dict[str, torch.Tensor], precisions: 
     exact.add(ids, matrix)
     want = [row for start in range(0, len(queries), 64) for row in exact.search(queries[start:start + 64], k)[1]]
     for precision in precisions:
-        index = TorchIndex(matrix.shape[1], device="cpu", precision=precision)
+        index = TorchIndex(matrix.shape[1], device="cpu", precision=precision, measured=False)
         index.add(ids, matrix)
         got = [row for start in range(0, len(queries), 64) for row in index.search(queries[start:start + 64], k)[1]]
         missed = sum(set(a) != set(b) for a, b in zip(want, got))

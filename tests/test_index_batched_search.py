@@ -12,7 +12,7 @@ from rmm.memory.index import TorchIndex
 def test_batched_rows_match_single_row_searches(precision: str) -> None:
     generator = torch.Generator().manual_seed(3)
     vectors = torch.nn.functional.normalize(torch.randn(3000, 64, generator=generator), dim=1)
-    index = TorchIndex(64, device="cpu", precision=precision)
+    index = TorchIndex(64, device="cpu", precision=precision, measured=False)
     index.add([f"m{i}" for i in range(3000)], vectors)
     queries = torch.nn.functional.normalize(torch.randn(9, 64, generator=generator), dim=1)
     for rows in (2, 3, 4, 9):

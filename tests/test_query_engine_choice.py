@@ -151,7 +151,7 @@ def test_the_cache_is_reused_and_a_changed_fingerprint_measures_again(tmp_path: 
     # an explicit precision reads the same cached timings
     _, explicit, builder = choose("float32", cache=tmp_path)
     assert explicit.cached and explicit.engine == "float32" and list(builder.built) == ["float32"]
-    real = choice_module.cpu_fingerprint
+    real = choice_module.cpu_fingerprint  # rmm.device's, as the chooser imported it
     monkeypatch.setattr(choice_module, "cpu_fingerprint", lambda: {**real(), "threads": 99})
     _, third, builder = choose(cache=tmp_path)
     assert not third.cached and len(builder.built) == 4

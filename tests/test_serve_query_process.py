@@ -151,13 +151,14 @@ def test_the_server_encodes_queries_in_a_child_when_it_loads_its_encoder(tmp_pat
 
     with pytest.raises(ConfigError, match="query_process must be"):
         config(query_process="maybe")
-    service = RetrievalService(config(query_process="off"))
+    # one engine on both sides (auto could time two engines apart differently in two processes)
+    service = RetrievalService(config(query_process="off", query_precision="int8"))
     assert service.query_process is None
     service.add_memories("alpha", "ana", [NewMemory(text=t) for t in QUERIES])
     (expected,) = service.retrieve_batch([RetrieveItem("alpha", "ana", "bread", k=3, m=2, explore=False)])
     service.close()
 
-    service = RetrievalService(config())  # auto: the server loads the encoder onto the CPU
+    service = RetrievalService(config(query_precision="int8"))  # query_process auto: the server loads the encoder onto the CPU
     try:
         assert service.query_process is not None
         (got,) = service.retrieve_batch([RetrieveItem("alpha", "ana", "bread", k=3, m=2, explore=False)])

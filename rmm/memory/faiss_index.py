@@ -1,4 +1,4 @@
-"""faiss indexes on CPU for large banks, behind `rmm.memory.index.VectorIndex`: `flat` (exact),
+"""faiss indexes on CPU for large banks, behind `rmm.memory.vector_index.VectorIndex`: `flat` (exact),
 `ivf` (approximate once trained) and `hnsw`, with a string-id ↔ int64-label map of our own.
 
 Kept apart from the exact torch index so the default path never imports faiss.
@@ -15,14 +15,7 @@ import torch
 
 from rmm.device import resolve_device
 from rmm.errors import CorruptFileError, UnknownMemoryError
-from rmm.memory.index import (
-    VectorIndex,
-    _as_queries,
-    _as_vectors,
-    _check_k,
-    _check_known_ids,
-    _check_new_ids,
-)
+from rmm.memory.vector_index import VectorIndex, as_queries, as_vectors, check_k, check_known_ids, check_new_ids
 
 __all__ = ["FaissIndex"]
 
@@ -112,6 +105,10 @@ class FaissIndex(VectorIndex):
             else:
                 log.debug("faiss-%s runs on CPU (faiss GPUs: %d; GPU replicas only for flat)", kind, faiss.get_num_gpus())
 
+    @classmethod
+    def reads(cls, backend: str) -> bool:
+        return backend in tuple(f"faiss-{kind}" for kind in cls.KINDS)
+
     # -------------------------------------------------------------- construction
 
     def _new_base_index(self) -> Any:
@@ -173,8 +170,8 @@ class FaissIndex(VectorIndex):
         return self._trained_size > 0
 
     def add(self, ids: list[str], vectors: torch.Tensor) -> None:
-        ids = _check_new_ids(ids, self._labels)
-        data = np.ascontiguousarray(_as_vectors(vectors, len(ids), self.dim).cpu().numpy())
+        ids = check_new_ids(ids, self._labels)
+        data = np.ascontiguousarray(as_vectors(vectors, len(ids), self.dim).cpu().numpy())
         if not ids:
             return
         labels = np.arange(self._next_label, self._next_label + len(ids), dtype=np.int64)
@@ -200,7 +197,7 @@ class FaissIndex(VectorIndex):
         self._gpu_dirty = True
 
     def remove(self, ids: list[str]) -> None:
-        ids = _check_known_ids(ids, self._labels)
+        ids = check_known_ids(ids, self._labels)
         if not ids:
             return
         labels = np.array([self._labels[i] for i in ids], dtype=np.int64)
@@ -260,8 +257,8 @@ class FaissIndex(VectorIndex):
         return self._gpu_index
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, list[list[str]]]:
-        q = np.ascontiguousarray(_as_queries(queries, self.dim).cpu().numpy())
-        k = min(_check_k(k), len(self._labels))
+        q = np.ascontiguousarray(as_queries(queries, self.dim).cpu().numpy())
+        k = min(check_k(k), len(self._labels))
         if k == 0:
             return torch.zeros((q.shape[0], 0), dtype=torch.float32), [[] for _ in range(q.shape[0])]
         params = self._search_params(k)

@@ -19,12 +19,10 @@ CPU's model and flags), so a restart does not measure again and a changed finger
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import math
 import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,11 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from rmm.device import cpu_fingerprint
 from rmm.encoders.protocol import EncoderLike
 from rmm.encoders.query.precision import QUERY_ENGINES, QUERY_PRECISIONS, build_engine
 from rmm.errors import ConfigError
 
-__all__ = ["EngineChoice", "EngineTiming", "choose_query_engine", "cpu_fingerprint", "probe_batch_sizes", "slowdown"]
+__all__ = ["EngineChoice", "EngineTiming", "choose_query_engine", "probe_batch_sizes", "slowdown"]
 
 log = logging.getLogger(__name__)
 
@@ -159,27 +158,6 @@ def probe_batch_sizes(batching: bool, max_batch: int) -> tuple[int, ...]:
     if not batching:
         return (1,)
     return tuple(sorted({1, min(16, max_batch), min(32, max_batch)}))
-
-
-def cpu_fingerprint() -> dict[str, Any]:
-    """What a timing depends on besides the model: the CPU, the thread count, the libraries."""
-    model, flags = "", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name" and not model:
-                model = value
-            elif key in ("flags", "Features") and not flags:
-                flags = value
-    except OSError:  # not Linux: the platform's word for the processor
-        pass
-    try:
-        onnxruntime = importlib.metadata.version("onnxruntime")
-    except importlib.metadata.PackageNotFoundError:
-        onnxruntime = None
-    return {"cpu": model or platform.processor() or platform.machine(), "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
-            "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "onnxruntime": onnxruntime, "threads": torch.get_num_threads(), "cores": os.cpu_count()}
 
 
 def _fingerprint(encoder: EncoderLike, engines: Sequence[str], sizes: Sequence[int]) -> str:
