@@ -1,26 +1,25 @@
 """rmm — Reflective Memory Management for long-term dialogue agents.
 
-The records (`Memory`, `Turn`, …) are loaded on first use, so `import rmm.serve.client` in an
-agent process stays light: it does not pull in torch. Modules that moved in 0.2 stay importable
-from their old paths for one release, with a DeprecationWarning (`rmm._compat`).
+`rmm.Memory` is the embedded API (`rmm.embedded`: a bank opened in your own process, the
+server's verbs without HTTP), `rmm.AsyncMemory` its asyncio twin. They and the records (`Turn`,
+`Session`, …; a stored memory's record is `rmm.types.Memory`) are loaded on first use, so
+`import rmm` and `import rmm.serve.client` in an agent process stay light: no torch until used.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rmm import _compat
-
 __version__ = "0.1.0"
-__all__ = ["Candidates", "Dataset", "Memory", "Question", "Selection", "Session", "Turn", "__version__"]
-
-_compat.install()
+__all__ = ["AsyncMemory", "Candidates", "Dataset", "Memory", "Question", "Selection", "Session", "Turn",
+           "__version__"]
+_EMBEDDED = {"Memory", "AsyncMemory"}  # rmm.embedded; every other name is a record of rmm.types
 
 if TYPE_CHECKING:
+    from rmm.embedded import AsyncMemory, Memory
     from rmm.types import (
         Candidates,
         Dataset,
-        Memory,
         Question,
         Selection,
         Session,
@@ -29,6 +28,10 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _EMBEDDED:
+        from rmm import embedded
+
+        return getattr(embedded, name)
     if name in __all__ and name != "__version__":
         from rmm import types
 

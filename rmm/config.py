@@ -3,9 +3,10 @@
 `load_config(Schema, path, ["epochs=2", "batching.max_batch=8"])` reads the file, sets each dotted
 key on it (values parsed as YAML, so `lora=true`, `eval_ks=[5, 10]` and `lr=3e-4` are typed), and
 builds `Schema` with pydantic's validation: stdlib dataclasses (nested ones are sections), checked
-and coerced against their type hints, with unknown keys refused. Every mistake is one
-`rmm.errors.ConfigError` naming the key and where it came from (the file or the overrides),
-because a typo silently falling back to a default would waste a run.
+and coerced against their type hints (ranges as `Annotated[int, Field(ge=1)]`: "must be >= 1"), with
+unknown keys refused. Every mistake is one `rmm.errors.ConfigError` naming the key and where it
+came from (the file or the overrides), because a typo silently falling back to a default would
+waste a run.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ _EXPECTED = {
     "string_type": "a string", "list_type": "a list", "dict_type": "a mapping", "dataclass_type": "a mapping",
     "none_required": "null",
 }
+# pydantic's bound errors (a field's `Field(ge=…, gt=…, le=…, lt=…)`) → the comparison and its context key
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+           "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
 
 
 def load_config(schema: type[T], path: str | Path | None = None,
@@ -159,8 +163,14 @@ def _config_error(schema: type, errors: list[Any], origin: _Origin) -> ConfigErr
             known.setdefault(where, []).extend(f"{prefix}.{n}" if prefix else n for n in names)
             continue
         ctx = error.get("ctx") or {}
-        expected = (f"one of {ctx['expected']}" if error["type"] == "literal_error"
-                    else _EXPECTED.get(error["type"], error["msg"][0].lower() + error["msg"][1:]))
+        if error["type"] == "literal_error":
+            expected = f"one of {ctx['expected']}"
+        elif error["type"] in _BOUNDS:
+            sign, bound = _BOUNDS[error["type"]]
+            value = ctx[bound]  # pydantic casts a float field's bound to float: 0 reads as 0, not 0.0
+            expected = f"{sign} {value:g}" if isinstance(value, float) else f"{sign} {value}"
+        else:
+            expected = _EXPECTED.get(error["type"], error["msg"][0].lower() + error["msg"][1:])
         problems.setdefault(key, []).append(expected)
         got.setdefault(key, error.get("input"))
     messages = []

@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-import torch
+if TYPE_CHECKING:  # annotations only: the records load without torch (the HTTP client's schemas use them)
+    import torch
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 

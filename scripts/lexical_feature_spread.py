@@ -61,8 +61,9 @@ class FeatureVariant(HybridRetriever):
                          lexical=base.lexical)
         self.variant = variant
 
-    def _fuse(self, dense: Candidates, lexical: Candidates, k: int, user: str) -> Candidates:
-        c = super()._fuse(dense, lexical, k, user)
+    def _fuse(self, dense: Candidates, lexical: Candidates, k: int, user: str,
+              featured: Candidates | None = None) -> Candidates:
+        c = super()._fuse(dense, lexical, k, user, featured)
         if self.variant.startswith("fused"):
             fused = self.fused_scores(dense, lexical)
             scores = torch.tensor([fused[m] for m in c.memory_ids], dtype=torch.float32)

@@ -25,7 +25,8 @@ hybrid first stage and the reranker's weights for them together (default: the li
     python scripts/reranker_ablations.py --dataset msc --retriever hybrid --limit 3000 \\
         --run on --run off:candidate_features=false --threads 1
 With `--read-heldout` the whole `rmm train` program runs (held-out scored too): use it once per
-final candidate only.
+final candidate only. `--alone` scores the retriever alone on the held-out questions of each run's
+own configuration (its split settings, K and M: `--run NAME:k=30,m=8,per_user=true --alone`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from rmm.policy.learner import recipe_for
 
 log = logging.getLogger("reranker_ablations")
 PREFIX = re.compile(r"^what do you know about:\s*", re.IGNORECASE)
+EXTRAS = ("lexical_init", "feature")  # run settings that are not OnlineConfig fields
 
 
 class CountingTrainer(OnlineTrainer):
@@ -89,6 +91,16 @@ def parse_run(spec: str) -> tuple[str, dict[str, Any]]:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
     return name, overrides
+
+
+def run_config(spec: str, recipe: dict[str, Any], limit: int | None
+               ) -> tuple[str, dict[str, Any], dict[str, Any], OnlineConfig]:
+    """A `--run` spec as (name, its overrides, those that are not `OnlineConfig` fields, the run's
+    config: the recipe, `--limit` and the overrides) — one config for the trained run and its baseline."""
+    name, overrides = parse_run(spec)
+    fields = {key: value for key, value in overrides.items() if key not in EXTRAS}
+    extras = {key: value for key, value in overrides.items() if key in EXTRAS}
+    return name, overrides, extras, OnlineConfig(**{**recipe, "limit": limit, **fields})
 
 
 def mean(values: list[float]) -> float:
@@ -143,10 +155,13 @@ def heldout_table(trainer: CountingTrainer) -> dict[str, dict[str, Any]]:
     return table
 
 
-def alone_table(dataset: Any, retriever: Any, k: int, m: int) -> dict[str, dict[str, Any]]:
-    """The retriever alone (any retriever, BM25 included) on the held-out questions of `rmm train`'s split."""
+def alone_table(dataset: Any, retriever: Any, cfg: OnlineConfig) -> dict[str, dict[str, Any]]:
+    """The retriever alone (any retriever, BM25 included) on the held-out questions of the split `cfg`
+    makes (as `rmm train` with it would), scored at its K and at M (`cfg.eval_k`)."""
+    assert cfg.eval_k is not None  # M, set by OnlineConfig
+    k, m = cfg.k, cfg.eval_k
     scorer = GoldScorer.for_dataset(dataset, "turn")
-    split = split_questions(dataset, scorable(dataset.questions, scorer), OnlineConfig())
+    split = split_questions(dataset, scorable(dataset.questions, scorer), cfg)
     separate = set(SEPARATE_CATEGORIES.get(dataset.name, ()))
     groups: dict[str, list[dict[str, float]]] = {}
     for user in dict.fromkeys(q.user_id for q in split.heldout):
@@ -185,6 +200,8 @@ def train_only(trainer: CountingTrainer) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", default="msc")
+    parser.add_argument("--no-dedup", action="store_true", help="LoCoMo: keep its 12 repeated questions, as "
+                                                                  "rmm train --no-dedup does")
     parser.add_argument("--retriever", default="minilm")
     parser.add_argument("--granularity", default="turn", choices=("turn", "session", "topic"))
     parser.add_argument("--limit", type=int, default=None, help="train on the first N training questions")
@@ -207,25 +224,30 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
 
-    dataset = load_dataset(args.dataset, download=False)
+    dataset = load_dataset(args.dataset, download=False, dedup=not args.no_dedup)
     if args.strip_prefix:
         dataset.questions = [replace(q, text=PREFIX.sub("", q.text)) for q in dataset.questions]
     opened = open_retriever(args.retriever, dataset, args.granularity, progress=False)
+    recipe = recipe_for(args.recipe, opened.encoder is not None and opened.encoder.config.normalize)
     if args.alone:
         if opened.encoder is not None:
             attach_cache(opened.retriever.encoder)
-        row = {"name": "alone", "dataset": args.dataset, "retriever": args.retriever,
-               "granularity": args.granularity, "heldout": alone_table(dataset, opened.retriever, 20, 5),
-               "load": os.getloadavg()[0]}
-        h = row["heldout"]["headline"]
-        log.info("%s · %s · %s alone, HELD-OUT R@5 %.1f R@20 %.1f nDCG@5 %.1f", args.dataset, args.retriever,
-                 args.granularity, 100 * h["base recall@5"], 100 * h["base recall@20"], 100 * h["base ndcg@5"])
-        if args.out:
-            with args.out.open("a") as f:
-                f.write(json.dumps(row, default=str) + "\n")
+        for spec in args.run or ["base"]:
+            name, overrides, _, cfg = run_config(spec, recipe, args.limit)
+            row = {"name": "alone", "run": name, "overrides": overrides, "dataset": args.dataset,
+                   "retriever": args.retriever, "granularity": args.granularity,
+                   "config": {key: getattr(cfg, key) for key in ("k", "m", "eval_k", "per_user", "heldout_fraction",
+                                                                 "seed")},
+                   "heldout": alone_table(dataset, opened.retriever, cfg), "load": os.getloadavg()[0]}
+            h, m, k = row["heldout"]["headline"], cfg.eval_k, cfg.k
+            log.info("%s · %s · %s alone (%s), HELD-OUT R@%d %.1f R@%d %.1f nDCG@%d %.1f", args.dataset,
+                     args.retriever, args.granularity, name, m, 100 * h[f"base recall@{m}"], k,
+                     100 * h[f"base recall@{k}"], m, 100 * h[f"base ndcg@{m}"])
+            if args.out:
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row, default=str) + "\n")
         return
     attach_cache(opened.retriever.encoder)
-    recipe = recipe_for(args.recipe, opened.encoder.config.normalize)
     default_lexical_init = reranker_module.LEXICAL_INIT
     log.info("# %s · %s · %s memories · recipe %s · limit %s · load %.1f", args.dataset, args.retriever,
              args.granularity, recipe, args.limit, os.getloadavg()[0])
@@ -234,14 +256,12 @@ def main() -> None:
         raise SystemExit(f"error: {featured[0]!r} sets feature= but --retriever {args.retriever} is not a hybrid "
                          "or bm25:DENSE first stage (its candidates carry no lexical feature)")
     for spec in args.run or ["base"]:
-        name, overrides = parse_run(spec)
-        settings = dict(overrides)
+        name, overrides, extras, cfg = run_config(spec, recipe, args.limit)
         # w's starting value is a module constant of the reranker, not an OnlineConfig field
-        reranker_module.LEXICAL_INIT = float(settings.pop("lexical_init", default_lexical_init))
+        reranker_module.LEXICAL_INIT = float(extras.get("lexical_init", default_lexical_init))
         retriever = opened.retriever
-        if "feature" in settings:  # another lexical-feature definition (scripts/lexical_feature_spread.py)
-            retriever = FeatureVariant(retriever, settings.pop("feature"))
-        cfg = OnlineConfig(**{**recipe, "limit": args.limit, **settings})
+        if "feature" in extras:  # another lexical-feature definition (scripts/lexical_feature_spread.py)
+            retriever = FeatureVariant(retriever, extras["feature"])
         if isinstance(opened.retriever, HybridRetriever):  # the first stage computes what the reranker weighs
             opened.retriever.candidate_features = cfg.candidate_features
         started, cpu = time.perf_counter(), time.process_time()

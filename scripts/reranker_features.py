@@ -19,8 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rmm.memory.features import (  # noqa: F401 — re-exported for the research scripts and their tests
-    STOPWORDS,
-    content_words,
     coverage,
     feature_columns,
     jaccard,
@@ -28,6 +26,7 @@ from rmm.memory.features import (  # noqa: F401 — re-exported for the research
     scaled_scores,
 )
 from rmm.memory.hybrid import min_max, rrf_fuse
+from rmm.memory.tokens import content_words  # noqa: F401 — re-exported for the scripts' tests
 
 
 def min_max_scores(ids: Sequence[str], ranking: Sequence[str], scores: Sequence[float]) -> list[float]:

@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
     "rmm.reflection": 4,
     "rmm.frontends": 5,
     "rmm.eval": 6,
-    "rmm.cli": 7, "rmm.serve": 7, "rmm.training": 7,
+    "rmm.cli": 7, "rmm.serve": 7, "rmm.training": 7, "rmm.embedded": 7,
 }
 # The package face re-exports records; `python -m rmm`.
 UNLAYERED = {"rmm", "rmm.__main__"}
@@ -88,6 +88,47 @@ def test_llm_and_prompts_do_not_import_each_other(folder: str) -> None:
                  for path in sorted((ROOT / "rmm" / folder).rglob("*.py"))
                  for line, target in _imports(path) if target == other or target.startswith(other + ".")]
     assert not offending, "\n".join(offending)
+
+
+def _circles(package: str) -> list[list[str]]:
+    """The import circles among `package`'s modules (each a strongly connected set of two or more;
+    every import counts, lazy ones too, as for the layers)."""
+    modules = {name: path for name, path in _modules() if name == package or name.startswith(package + ".")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for _, target in _imports(path):
+            while target and target not in modules:  # `from rmm.serve.pending import X` → the module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                targets.add(target)
+        graph[name] = targets
+    reach = {name: set() for name in graph}  # transitive closure: few modules, so plain search is enough
+    for name in graph:
+        todo = list(graph[name])
+        while todo:
+            step = todo.pop()
+            if step not in reach[name]:
+                reach[name].add(step)
+                todo.extend(graph[step])
+    circles = {frozenset([n, *(m for m in reach[n] if n in reach[m])]) for n in graph if n in reach[n]}
+    return sorted(sorted(c) for c in circles)
+
+
+@pytest.mark.parametrize("package", ["rmm.serve", "rmm.memory"])
+def test_no_import_circles(package: str) -> None:
+    """A circle (`pending` ↔ `pg_pending`, `index` ↔ `faiss_index`) means shared pieces that belong
+    one level down: the module both import."""
+    assert not _circles(package), f"import circles in {package}: {_circles(package)}"
+
+
+def test_the_circle_finder_sees_a_lazy_circle(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "a.py").write_text("from rmm.x.b import f\n")
+    (tmp_path / "b.py").write_text("def f():\n    import rmm.x.a\n")
+    (tmp_path / "c.py").write_text("import rmm.x.a\n")
+    monkeypatch.setattr(sys.modules[__name__], "_modules",
+                        lambda: [(f"rmm.x.{n}", tmp_path / f"{n}.py") for n in ("a", "b", "c")])
+    assert _circles("rmm.x") == [["rmm.x.a", "rmm.x.b"]]
 
 
 def test_import_rmm_installs_no_finder_and_keeps_no_old_paths() -> None:

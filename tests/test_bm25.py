@@ -10,6 +10,7 @@ import torch
 from rmm.errors import UnknownUserError
 from rmm.memory.bm25 import BM25Retriever
 from rmm.memory.store import MemoryStore
+from rmm.memory.tokens import content_words, tokenize
 from rmm.types import Candidates, Memory
 
 TEXTS = {
@@ -98,3 +99,20 @@ def test_users_are_isolated(store: MemoryStore) -> None:
     retriever = BM25Retriever(store)
     assert retriever.search(["rex"], "alice", k=3)[0].memory_ids == []
     assert retriever.search(["rex"], "bob", k=3)[0].memory_ids == ["cat"]
+
+
+def test_bm25_reads_the_words_the_candidate_features_compare(store: MemoryStore) -> None:
+    """One tokenisation (`rmm.memory.tokens`): question scaffolding the features drop ("what", "know",
+    "her") matches no memory in BM25 either, and a non-ASCII word is one word to both."""
+    retriever = BM25Retriever(store)
+    (c,) = retriever.search(["what do you know about her"], "alice", k=3)
+    assert c.memory_ids == [] and content_words("what do you know about her") == set()
+    store.add([Memory(id="cafe", user_id="alice", kind="turn", text="Ana's café in São Paulo")])
+    (c,) = retriever.search(["a café in são paulo?"], "alice", k=3)
+    assert c.memory_ids == ["cafe"]
+    assert content_words("Ana's café in São Paulo") == {"ana", "café", "são", "paulo"}
+
+
+def test_tokenize_keeps_order_and_repeats_for_bm25() -> None:
+    assert tokenize("The cat and THE cat_toy, 2 cats in 2024!") == ["cat", "cat", "toy", "cats", "2024"]
+    assert tokenize("") == [] and tokenize("I a an") == []

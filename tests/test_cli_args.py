@@ -30,9 +30,9 @@ BAD = [
     (["eval-qa", "--llm", "x", "--limit", "0"], "--limit"),
     (["eval-qa", "--llm", "x", "--k", "8", "--m", "9"], "--m 9 must not exceed --k 8"),
     (["eval-qa", "--llm", "x", "--granularity", "word"], "--granularity"),
-    (["eval-goal", "--llm", "x", "--category", "0"], "--category"),
-    (["eval-goal", "--llm", "x", "--b-max", "0"], "--b-max"),
-    (["eval-goal", "--llm", "x", "--k", "3", "--m", "4"], "--m 4 must not exceed --k 3"),
+    (["eval-controller", "--llm", "x", "--category", "0"], "--category"),
+    (["eval-controller", "--llm", "x", "--b-max", "0"], "--b-max"),
+    (["eval-controller", "--llm", "x", "--k", "3", "--m", "4"], "--m 4 must not exceed --k 3"),
     (["train", "--k", "0"], "--k"),
     (["train", "--k", "4"], "--m 5 must not exceed --k 4"),
     (["train", "--citer", "gpt4"], "--citer"),
@@ -104,7 +104,7 @@ def test_values_at_the_edges_of_their_ranges_parse() -> None:
     assert (args.k, args.m, args.heldout, args.precision, args.recall, args.device) == (5, 5, 0.5, 1.0, 0.0, "cuda:1")
     args = parser.parse_args(["eval", "--k", "1", "10", "--merge-threshold", "-1", "--index", "faiss-hnsw"])
     assert (args.k, args.merge_threshold, args.index) == ([1, 10], -1.0, "faiss-hnsw")
-    args = parser.parse_args(["eval-goal", "--llm", "x", "--d-max", "0", "--k", "3", "--m", "3"])
+    args = parser.parse_args(["eval-controller", "--llm", "x", "--d-max", "0", "--k", "3", "--m", "3"])
     assert (args.d_max, args.k, args.m) == (0, 3, 3)
     args = parser.parse_args(["serve", "--port", "65535", "--max-wait-ms", "0", "-vv"])
     assert (args.port, args.max_wait_ms, args.verbose) == (65535, 0.0, 2)

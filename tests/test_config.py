@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
+from pydantic import Field
 
 from rmm.config import load_config, parse_overrides
 from rmm.errors import ConfigError, RmmError
@@ -96,3 +97,25 @@ def test_unreadable_files_are_clear_errors(tmp_path: Path) -> None:
 def test_parse_overrides_reads_values_as_yaml() -> None:
     assert parse_overrides(["a=1", "b=true", "c=[x, y]", "d=", "max-steps=5", "e=a=b"]) == {
         "a": 1, "b": True, "c": ["x", "y"], "d": None, "max_steps": 5, "e": "a=b"}
+
+
+@dataclass
+class Bounded:
+    workers: Annotated[int, Field(ge=1)] = 1
+    wait_s: Annotated[float, Field(gt=0, le=2.0)] = 1.0
+    limit: Annotated[int, Field(ge=0, lt=10)] | None = None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("workers=0", "workers must be >= 1, got 0 (in the overrides)"),
+    ("wait_s=0", "wait_s must be > 0, got 0"),
+    ("wait_s=2.5", "wait_s must be <= 2, got 2.5"),
+    ("limit=10", "limit must be < 10, got 10"),
+    ("limit=-1", "limit must be >= 0, got -1"),
+])
+def test_field_bounds_read_as_comparisons(override: str, message: str) -> None:
+    """A range is a pydantic field constraint; its error says the comparison, not pydantic's sentence."""
+    with pytest.raises(ConfigError) as error:
+        load_config(Bounded, None, [override])
+    assert message in str(error.value)
+    assert load_config(Bounded, None, ["limit=null", "wait_s=2"]) == Bounded(wait_s=2.0)

@@ -1,5 +1,5 @@
-"""`rmm chat --frontend goal`, `rmm eval-qa --frontend goal` and `rmm eval-goal` (the old name of
-`rmm eval-controller`, still accepted), with a scripted LLM."""
+"""`rmm chat --frontend goal`, `rmm eval-qa --frontend goal` and `rmm eval-controller` (GOAL-MEM by
+default), with a scripted LLM."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_chat_with_the_goal_front_end_prints_and_saves_traces(tmp_path: Path, mo
 
 
 def test_goal_front_end_refuses_the_simulated_llm(tiny_data_dir: Path, tmp_path: Path, capsys, scripted) -> None:
-    assert main(["eval-goal", "--data-dir", str(tiny_data_dir), "--llm", "simulated", "--device", "cpu"]) == 2
+    assert main(["eval-controller", "--data-dir", str(tiny_data_dir), "--llm", "simulated", "--device", "cpu"]) == 2
     assert "cannot decompose" in capsys.readouterr().out
     assert main(["eval-qa", "--data-dir", str(tiny_data_dir), "--llm", "simulated", "--frontend", "goal",
                  "--device", "cpu"]) == 2
@@ -115,9 +115,10 @@ def test_eval_qa_through_the_goal_front_end(tiny_data_dir, tmp_path, capsys, scr
     assert "GOAL-MEM" in capsys.readouterr().out
 
 
-def test_eval_goal_compares_recall_at_equal_budget(tiny_data_dir, tmp_path, capsys, scripted, isolated_cache) -> None:
+def test_eval_controller_compares_goal_recall_at_equal_budget(tiny_data_dir, tmp_path, capsys, scripted,
+                                                              isolated_cache) -> None:
     out = tmp_path / "goal.json"
-    assert main(["eval-goal", "--data-dir", str(tiny_data_dir), "--llm", "hf:x", "--category", "1", "--k", "4",
+    assert main(["eval-controller", "--data-dir", str(tiny_data_dir), "--llm", "hf:x", "--category", "1", "--k", "4",
                  "--m", "3", "--device", "cpu", "--show-trace", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "recall" in printed and "direct" in printed and "breadth 1" in printed

@@ -44,7 +44,7 @@ TEXTS = {
     "alps": "They went hiking in the Alps in June",
     "curry": "Spicy curry is her favourite dinner",
     "boat": "Sailing the boat on the lake every summer",
-    "piano": "She plays piano music at night",
+    "piano": "She plays piano music late at night",             # five words to BM25, one more than "pixel"
 }
 
 

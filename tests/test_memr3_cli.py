@@ -3,12 +3,9 @@ front-end options checked at parse time; LoCoMo read with MemR³'s dedup by the 
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
 import re
-import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,10 +18,7 @@ from rmm.cli import build_parser, main
 from rmm.cli.eval_controller import controller_figures
 from rmm.cli.eval_qa import load_questions
 from rmm.cli.tables import print_figures
-from rmm.eval.controller_recall import (
-    ControllerRecallReport,
-    evaluate_controller_recall,
-)
+from rmm.eval.controller_recall import ControllerRecallReport
 from rmm.memory.bank import MemoryBank
 from rmm.types import Memory
 
@@ -169,18 +163,12 @@ def test_memr3_options_reach_its_config() -> None:
     assert frontend_config(parser.parse_args(["chat", "--bank", "b", "--user", "u", "--llm", "x"])) is None
 
 
-def test_eval_goal_is_an_alias_of_eval_controller_and_old_paths_still_import() -> None:
-    args = build_parser().parse_args(["eval-goal", "--llm", "x", "--b-max", "2"])
+def test_eval_goal_is_not_a_command() -> None:
+    """`eval-goal` was eval-controller's name before any release: no alias is kept."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval-goal", "--llm", "x"])
+    args = build_parser().parse_args(["eval-controller", "--llm", "x", "--b-max", "2"])
     assert args.frontend == "goal" and args.b_max == 2 and args.func.__module__ == "rmm.cli.eval_controller"
-    for name in ("rmm.eval.goal_recall", "rmm.cli.eval_goal"):
-        sys.modules.pop(name, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old_eval = importlib.import_module("rmm.eval.goal_recall")
-        old_cli = importlib.import_module("rmm.cli.eval_goal")
-    assert old_eval.GoalRecallReport is ControllerRecallReport
-    assert old_eval.evaluate_goal_recall is evaluate_controller_recall and old_cli.goal_figures is controller_figures
-    assert sum(issubclass(w.category, DeprecationWarning) and "rmm 0.3" in str(w.message) for w in caught) == 2
 
 
 # -- LoCoMo with MemR³'s dedup ------------------------------------------------------------------------

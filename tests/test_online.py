@@ -13,6 +13,7 @@ from rmm.training.online_plot import figure, plot, plot_series
 from rmm.errors import CheckpointError
 from rmm.eval.benchmark_bank import fill
 from rmm.memory.bank import MemoryBank
+from rmm.memory.hybrid import HybridRetriever
 from rmm.policy.learner import recipe_for
 from rmm.policy.registry import SHARED, LearnerRegistry
 from rmm.policy.retrieve import RerankedRetriever
@@ -254,14 +255,24 @@ def test_per_user_mode_trains_one_reranker_per_user(problem):
     assert set(trainer.learners) == set(dataset.users)
 
 
-def test_whole_bank_search_equals_topk_rerank_when_untrained(problem):
+def test_whole_bank_search_ranks_a_trained_rerankers_candidates_on_the_querys_features(problem):
+    """With K = the user's whole bank both scopes hold every memory: the learned query q·A only
+    chooses candidates, so a trained reranker (A far from the identity, feature weights learned)
+    ranks them exactly as over its top-K — on the features of q it was trained on (issue 35)."""
     dataset, bank = problem
-    trainer = OnlineTrainer(dataset, bank, config(), progress=False)
+    hybrid = HybridRetriever(bank, candidate_features=True)
+    trainer = OnlineTrainer(dataset, hybrid, config(epochs=1), progress=False)
+    trainer.run()
     reranker = trainer.learner_for("u0").reranker
+    assert reranker.W_q.weight.abs().sum() > 0.01 and reranker.feature_weight.abs().sum() > 0.01
     qs = [q.text for q in dataset.questions_of("u0")[:5]]
-    topk = RerankedRetriever(bank, reranker, k=10, m=3, scope="topk").select(qs, "u0")
-    whole = RerankedRetriever(bank, reranker, k=10, m=3, scope="bank").select(qs, "u0")
-    assert [s.memory_ids for s in topk] == [s.memory_ids for s in whole]
+    n = len(bank.memories("u0"))
+    topk = RerankedRetriever(hybrid, reranker, k=n, m=n, scope="topk").select(qs, "u0")
+    whole = RerankedRetriever(hybrid, reranker, k=n, m=n, scope="bank").select(qs, "u0")
+    for t, w in zip(topk, whole, strict=True):
+        assert w.memory_ids == t.memory_ids
+        score = dict(zip(t.candidates.memory_ids, t.scores.tolist()))
+        assert [score[m] for m in w.candidates.memory_ids] == pytest.approx(w.scores.tolist(), abs=1e-5)
 
 
 def test_bad_settings_are_refused():

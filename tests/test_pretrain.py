@@ -27,7 +27,7 @@ from rmm.training.pretrain import (
     split_users,
 )
 from rmm.training.pretrain.module import _fused_adamw_supported, resolve_merge_passes
-from rmm.cli.pretrain import add_pretrain_command
+from rmm.cli.pretrain import register as register_pretrain
 from rmm.training.pretrain_config import (
     PretrainConfig,
     PretrainConfigError,
@@ -398,7 +398,7 @@ def test_cli_command_registers_and_parses_overrides() -> None:
     import argparse
 
     parser = argparse.ArgumentParser()
-    add_pretrain_command(parser.add_subparsers(dest="command"))
+    register_pretrain(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["pretrain", "--config", "x.yaml", "epochs=2", "lora=true"])
     assert args.config == "x.yaml" and args.overrides == ["epochs=2", "lora=true"]
     assert callable(args.func)

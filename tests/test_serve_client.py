@@ -56,7 +56,7 @@ def server(tmp_path: Path) -> Iterator[str]:
 
 def test_sync_client_agent_loop(server: str) -> None:
     with RmmClient(server, KEY) as rmm:
-        assert rmm.health()["status"] == "ok"
+        assert rmm.health().status == "ok"
         ids = rmm.add_memories("ana", FACTS[:5] + [{"text": FACTS[5], "kind": "topic", "id": "lisbon", "refs": ["t1"]}])
         assert len(ids) == 6 and ids[5] == "lisbon"
         assert rmm.users() == ["ana"]

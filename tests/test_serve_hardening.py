@@ -114,8 +114,17 @@ def test_nul_anywhere_is_refused_with_422_on_both_stores_and_sessions_still_end(
         assert "NUL" in response.json()["detail"] or "pattern" in response.json()["detail"], (path, response.json())
     assert client.post("/v1/users/ana/turns", json={"turns": [{"speaker": "ana", "text": "I like tea"}]},
                        headers=A).status_code == 201
-    assert client.post("/v1/users/ana/sessions/end", headers=A).status_code == 202
-    assert len(client.get("/v1/users/ana/memories", headers=A).json()["memories"]) == len(FACTS)
+    ended = client.post("/v1/users/ana/sessions/end", headers=A)
+    assert ended.status_code == 202
+    job_id = ended.json()["job_id"]
+    deadline = time.monotonic() + 30  # the reflection job runs in the background: wait for it to finish
+    while (job := client.get(f"/v1/jobs/{job_id}", headers=A).json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.02)
+    assert job["status"] == "done", job
+    stored = client.get("/v1/users/ana/memories", headers=A).json()["memories"]
+    assert not any("\x00" in m["text"] for m in stored)
+    assert len([m for m in stored if m["kind"] != "topic"]) == len(FACTS)  # no NUL memory got in
 
 
 # ---- 2. a 500 keeps the connection and the contract ---------------------------------------------

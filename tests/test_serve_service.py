@@ -116,11 +116,28 @@ def test_exploring_samples_and_user_without_memories_gets_nothing(service: Retri
 
 
 def test_bank_scope_searches_with_the_learned_query(tmp_path: Path) -> None:
-    service = make_service(tmp_path, scope="bank")
+    """scope: bank with a learned (non-identity) A: q·A brings a memory that q's own top-k lacks
+    into the candidates, and every candidate is scored on q's features, not q·A's (issue 35)."""
+    from test_serve_hybrid import capture_selections
+
+    service = make_service(tmp_path, scope="bank", retriever="hybrid")
     try:
-        service.add_memories("alpha", "ana", [NewMemory(text=t) for t in FACTS])
-        result = one(service, "ana", "sourdough bread", k=2, m=1)
-        assert "sourdough" in result.memories[0].text
+        service.add_memories("alpha", "ana", [NewMemory(text=t, id=f"f{i}") for i, t in enumerate(FACTS)])
+        query = "cello orchestra"
+        q, target = service.encoder.encode_queries([query])[0], service.encoder.encode_passages([FACTS[1]])[0]
+        reranker = service.learner("alpha").reranker
+        with torch.no_grad():  # q·A = the sourdough memory's vector
+            reranker.W_q.weight.copy_(torch.outer(target - q, q) / q.dot(q))
+        sampled = capture_selections(service)
+        one(service, "ana", query, k=2, m=2)
+        (alone,) = service.retriever.first_stage.search([query], "alpha:ana", 2)
+        (everything,) = service.retriever.first_stage.search([query], "alpha:ana", len(FACTS))
+        (chosen,) = [s.candidates for s in sampled]
+        assert "f1" in chosen.memory_ids and "f1" not in alone.memory_ids  # chosen by q·A
+        assert torch.allclose(chosen.query_embedding, q)
+        rows = {m: everything.features[i] for i, m in enumerate(everything.memory_ids)}
+        for i, m in enumerate(chosen.memory_ids):  # the features q gives these memories
+            assert torch.allclose(chosen.features[i], rows[m], atol=1e-6), m
     finally:
         service.close()
 

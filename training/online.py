@@ -29,8 +29,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import tempfile
 import time
 from collections import defaultdict, deque
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,8 @@ from rmm.eval.retrieval import GoldScorer, scorable
 from rmm.llm import LLM, Usage
 from rmm.llm.simulated import SimulatedCiter
 from rmm.memory.bank import MemoryBank
+from rmm.memory.hybrid import HybridRetriever
+from rmm.memory.index import BACKENDS
 from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.registry import SHARED, LearnerRegistry
 from rmm.policy.reranker import candidate_subset
@@ -80,7 +84,7 @@ class OnlineConfig:
     citer: str = "simulated"
     precision: float = 0.876
     recall: float = 0.858
-    eval_k: int = 5
+    eval_k: int | None = None  # cut-off of every reported figure; None = M, what the generator is shown
     checkpoint_every: int = 200
     recipe: str = "paper"
     structured: bool = False  # JSON-schema answers (ANSWER_SCHEMA) from a real generator
@@ -107,6 +111,10 @@ class OnlineConfig:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
         if self.m > self.k:
             raise ValueError(f"M={self.m} must not exceed K={self.k}")
+        if self.eval_k is None:
+            self.eval_k = self.m
+        if not 1 <= self.eval_k <= self.m:  # the whole-bank search shows M: a figure past M would count nothing
+            raise ValueError(f"eval_k must be in [1, M={self.m}], got {self.eval_k}")
         if self.epochs < 1:
             raise ValueError(f"epochs must be ≥ 1, got {self.epochs}")
         for name in ("concurrency", "llm_batch", "max_tokens", "checkpoint_every"):
@@ -188,32 +196,58 @@ class OnlineTrainer:
 
     def candidates(self, questions: list[Question], visible: dict[str, frozenset[str]] | None = None
                    ) -> dict[str, Candidates]:
-        """The frozen retriever's top-K for every question, computed once per user; a user named in
-        `visible` retrieves only memories of those sessions (the bank as it stood then)."""
+        """The frozen retriever's top-K for every question, computed once per user. A user named in
+        `visible` is searched in a copy of the bank holding only the memories of those sessions —
+        the bank as it stood then — so nothing said later reaches a candidate or its features
+        (BM25's statistics, either half's ranks, the depth list's best cosine). One copy per user
+        and call (the split's one cut per user), its embeddings copied, not re-encoded."""
         by_user: dict[str, list[Question]] = defaultdict(list)
         for q in questions:
             by_user[q.user_id].append(q)
         out: dict[str, Candidates] = {}
-        for user, qs in by_user.items():
-            memories = self.bank.memories(user)
-            self.refs.update({m.id: m.refs for m in memories})
-            self.memories.update({m.id: m for m in memories})
-            sessions = (visible or {}).get(user)
-            hidden = 0 if sessions is None else sum(1 for m in memories if not self._within(m, sessions))
-            depth = min(self.cfg.k + hidden, max(len(memories), 1))
-            for q, c in zip(qs, self.bank.search([q.text for q in qs], user, depth)):
-                if sessions is not None:
-                    keep = [i for i, mid in enumerate(c.memory_ids) if self._within(self.memories[mid], sessions)]
-                    c = candidate_subset(c, keep[: self.cfg.k])
-                out[q.id] = c
+        with tempfile.TemporaryDirectory(prefix="rmm-bank-as-of-") as folder, ExitStack() as closing:
+            earlier: MemoryBank | None = None  # opened for the first user with a cut
+            for user, qs in by_user.items():
+                memories = self.bank.memories(user)
+                self.refs.update({m.id: m.refs for m in memories})
+                self.memories.update({m.id: m for m in memories})
+                texts = [q.text for q in qs]
+                sessions = (visible or {}).get(user)
+                if sessions is None:
+                    found = self.bank.search(texts, user, self.cfg.k)
+                else:
+                    shown = [m for m in memories if self._within(m, sessions)]
+                    if not shown:  # nothing of this user's existed yet: no candidates
+                        found = [candidate_subset(c, []) for c in self.bank.search(texts, user, 1)]
+                    else:
+                        if earlier is None:
+                            earlier = closing.enter_context(self._empty_copy(Path(folder)))
+                        found = self._as_of(earlier, user, shown).search(texts, user, self.cfg.k)
+                out.update((q.id, c) for q, c in zip(qs, found))
         return out
+
+    def _empty_copy(self, folder: Path) -> MemoryBank:
+        """An empty folder bank searching like the trainer's (encoder, index backend and options; a
+        PostgreSQL bank's copy searches in process, exactly)."""
+        dense = self.bank.bank if isinstance(self.bank, HybridRetriever) else self.bank
+        backend = dense.index_backend if dense.index_backend in BACKENDS else "torch"
+        options = dense.index_options if dense.path is not None else None
+        return MemoryBank(folder / "bank", dense.encoder, index_backend=backend, device=dense.device,
+                          index_options=options)
+
+    def _as_of(self, copy: MemoryBank, user: str, memories: list[Memory]) -> MemoryBank | HybridRetriever:
+        """`copy` holding `memories` of `user` (with the trainer's embeddings), behind the trainer's first stage."""
+        copy.add(user, memories, self.bank.embeddings(user, [m.id for m in memories]))
+        return self.bank.over(copy) if isinstance(self.bank, HybridRetriever) else copy
 
     def _within(self, memory: Memory, sessions: frozenset[str]) -> bool:
         return all(self.scorer.turn_session.get(r) in sessions for r in memory.refs)
 
     def score(self, cand: Candidates, order: list[int], q: Question) -> dict[str, float]:
-        """Metrics at eval_k (M) and at K: recall@K of the whole candidate list is the ceiling any
-        reordering of it can reach (the reranker's headroom, `rmm.eval.retrieval.headroom_captured`)."""
+        """Metrics at eval_k (M unless a study sets less: the memories the generator is shown) and at
+        K: recall@K of the whole candidate list is the ceiling any reordering of it can reach (the
+        reranker's headroom, `rmm.eval.retrieval.headroom_captured`)."""
+        assert self.cfg.eval_k is not None  # set to M by OnlineConfig
         ks = sorted({self.cfg.eval_k, self.cfg.k})
         ranked = [self.refs[cand.memory_ids[i]] for i in order[: max(ks)]]
         return self.scorer.score(ranked, q, ks)
@@ -288,7 +322,7 @@ class OnlineTrainer:
 
     # -- the program --------------------------------------------------------------------------
     def run(self) -> OnlineReport:
-        log.info("%s", self.split.description)
+        log.debug("split: %s", self.split.description)  # every user; `rmm train` prints `split_summary`
         self.cands = self.candidates(self.split.train, self.split.visible_sessions)
         self.cands.update(self.candidates(self.split.heldout))
         if self.output_dir and (self.output_dir / "state.json").exists():

@@ -3,8 +3,11 @@
 The headline covers the dataset's own categories (LoCoMo 1–4 with the adversarial category 5
 reported apart; MSC 1 persona and 2 followup), and every figure comes in pairs — the retriever
 alone and with the learned reranker, prequential on the training stream and on held-out questions.
-Beside them, the ceiling: recall@K of the K candidates the reranker reorders, and the share of the
-headroom between the retriever's recall@M and that ceiling which the reranker captured.
+Every figure is read at M, the memories the generator is shown (`OnlineConfig.eval_k`, which only
+a study sets lower). Beside them, the ceiling: recall@K of the K candidates the reranker reorders,
+and the share of the headroom between the retriever's recall@M and that ceiling which the reranker
+captured. How learning went is told on the same questions for both (`same_question_lift`): the
+retriever alone and the reranker over the first and the last tenth of the training stream.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from rmm.eval.retrieval import SEPARATE_CATEGORIES, RetrievalReport, clamped_hea
 from rmm.policy.registry import SHARED
 from rmm.policy.retrieve import RerankedRetriever
 from rmm.training.online_plot import running_mean
+from rmm.training.splits import Split
 from rmm.types import Dataset, Question
 
 if TYPE_CHECKING:
     from rmm.training.online import OnlineTrainer
 
-__all__ = ["OnlineReport", "build_report", "headline", "headline_questions", "headroom"]
+__all__ = ["OnlineReport", "build_report", "headline", "headline_questions", "headroom", "same_question_lift",
+           "split_summary"]
 
 Rows = dict[str, dict[str, float]]  # question id → metric → value
 # Figures that vary from run to run; a simulated run's report leaves them out, so it is repeatable.
@@ -47,6 +52,10 @@ class OnlineReport:
     staleness: dict[str, Any] = field(default_factory=dict)  # learner steps between sampling and update
     dropped_questions: int = 0  # per-user split: evidence spanning the training and held-out sessions
     headroom: dict[str, Any] = field(default_factory=dict)  # ceiling recall@K and the share captured (`headroom`)
+    split_summary: str = ""  # the split in one short line (counts, a few users); `split` has every user
+    split_users: dict[str, list[str]] = field(default_factory=dict)  # "train" / "heldout" → every user id
+    questions: dict[str, int] = field(default_factory=dict)  # the dataset's, scorable, training, held-out
+    same_questions: dict[str, Any] = field(default_factory=dict)  # `same_question_lift` of the training stream
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,6 +90,37 @@ def headline(report: OnlineReport) -> list[tuple[str, float, float]]:
     rows.append((f"held-out recall@{k}, whole-bank search", report.retriever_heldout.get(f"recall@{k}", math.nan),
                  report.reranker_heldout_whole_bank.get(f"recall@{k}", math.nan)))
     return rows
+
+
+def split_summary(split: Split, per_user: bool, examples: int = 3) -> str:
+    """The split in one line a person can read: counts and the first few users of each side (MSC
+    holds out hundreds); every user id is in the report's `split_users` (`--json`)."""
+    if per_user:
+        return split.description  # counts only already
+
+    def users(ids: list[str]) -> str:
+        shown = ", ".join(ids[:examples]) + (f", … {len(ids) - examples} more" if len(ids) > examples else "")
+        return f"{len(ids)} user{'s' * (len(ids) != 1)} ({shown})"
+
+    return (f"shared reranker: train on {users(split.train_users)}, {len(split.train):,} questions; "
+            f"held out {users(split.heldout_users)}, {len(split.heldout):,} questions")
+
+
+def same_question_lift(rows: dict[str, Rows], questions: list[Question], metric: str,
+                       share: float = 0.1) -> dict[str, Any]:
+    """The retriever alone and the reranker on the same questions, over the first and the last
+    `share` of the training stream (`questions` in stream order): the lift in each window compares
+    like with like, so its change says whether the reranker learned. (A cited ratio of the first
+    steps against the last compares different questions of a non-stationary stream.)"""
+    if not questions:
+        return {}
+    n = max(1, int(len(questions) * share))
+
+    def window(qs: list[Question]) -> dict[str, float]:
+        return {name: sum(rows[name][q.id][metric] for q in qs) / len(qs) for name in ("retriever", "reranker")}
+
+    return {"metric": metric, "questions": n, "stream": len(questions), "first": window(questions[:n]),
+            "last": window(questions[-n:])}
 
 
 def headroom(report: OnlineReport) -> dict[str, Any]:
@@ -124,7 +164,8 @@ def build_report(trainer: OnlineTrainer) -> OnlineReport:
     # The curves cover the questions `summarize` puts in the headline, so they end at the table's figures.
     separate = set(SEPARATE_CATEGORIES.get(trainer.dataset.name, ()))
     metric = f"recall@{cfg.eval_k}"
-    curve = {name: running_mean([rows[q.id][metric] for q in train_qs if q.category not in separate])
+    headline_stream = [q for q in train_qs if q.category not in separate]
+    curve = {name: running_mean([rows[q.id][metric] for q in headline_stream])
              for name, rows in trainer.rows.items()}
     learners = {k: asdict(learner.stats) for k, learner in trainer.learners.items()}
     report = OnlineReport(
@@ -138,6 +179,12 @@ def build_report(trainer: OnlineTrainer) -> OnlineReport:
         learner=learners if cfg.per_user else learners.get(SHARED, {}),
         headline_questions=headline_questions(trainer.dataset), generation=_generation(trainer),
         staleness=_staleness(trainer), dropped_questions=len(split.dropped),
+        split_summary=split_summary(split, cfg.per_user),
+        split_users={"train": list(split.train_users), "heldout": list(split.heldout_users)},
+        questions={"dataset": len(trainer.dataset.questions),
+                   "scorable": len(split.train) + len(split.heldout) + len(split.dropped),
+                   "train": len(train_qs), "heldout": len(split.heldout), "dropped": len(split.dropped)},
+        same_questions=same_question_lift(trainer.rows, headline_stream, metric),
     )
     report.headroom = headroom(report)
     return report

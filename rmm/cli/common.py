@@ -16,8 +16,8 @@ from rich.console import Console
 from rmm.cli.arguments import add_check, device, m_within_k, positive_int
 
 __all__ = [
-    "DEFAULT_RETRIEVER", "add_common_options", "add_k_m_options", "add_verbose", "console", "fmt", "llm_options",
-    "load_benchmark", "load_llm", "write_json",
+    "DEFAULT_RETRIEVER", "add_common_options", "add_dedup_option", "add_k_m_options", "add_verbose", "console", "fmt",
+    "llm_options", "load_benchmark", "load_llm", "write_json",
 ]
 
 console = Console()
@@ -50,11 +50,20 @@ def add_k_m_options(p: argparse.ArgumentParser, k_help: str = "retrieved candida
     add_check(p, m_within_k)
 
 
+def add_dedup_option(p: argparse.ArgumentParser) -> None:
+    """--no-dedup: every command that reads a benchmark reads LoCoMo without its repeated questions by default."""
+    p.add_argument("--no-dedup", action="store_true",
+                   help="LoCoMo: keep the 12 repeated questions (1,986; default: drop them as MemR³ App. C.3 does, "
+                        "1,974 questions, category counts 282 / 321 / 96 / 830 / 445)")
+
+
 def load_benchmark(args: argparse.Namespace) -> Any:
-    """The dataset `--dataset` names (downloaded unless --no-download)."""
+    """The dataset `--dataset` names (downloaded unless --no-download), LoCoMo without its repeated
+    questions unless --no-dedup (a command without the flag reads the deduplicated set too)."""
     from rmm.data import load_dataset
 
-    return load_dataset(args.dataset, data_dir=args.data_dir, download=not args.no_download)
+    return load_dataset(args.dataset, data_dir=args.data_dir, download=not args.no_download,
+                        dedup=not getattr(args, "no_dedup", False))
 
 
 def load_llm(spec: str, **options: Any) -> Any:

@@ -22,6 +22,7 @@ from rmm.cli.arguments import (
 from rmm.cli.common import (
     DEFAULT_RETRIEVER,
     add_common_options,
+    add_dedup_option,
     console,
     fmt,
     load_benchmark,
@@ -29,7 +30,7 @@ from rmm.cli.common import (
     write_json,
 )
 from rmm.cli.settings import PRECEDENCE, add_config_options
-from rmm.cli.tables import Figures, headroom_cell, print_figures
+from rmm.cli.tables import Figures, headroom_cell, print_figures, question_set
 from rmm.errors import RmmError
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def register(subparsers: Any) -> None:
                                           "category, at one or several memory granularities. " + PRECEDENCE,
                               epilog="e.g. rmm eval --config configs/eval/locomo-cpu.yaml k=[1,5,10]")
     p.add_argument("--dataset", default="locomo", help="locomo | longmemeval[:s|m|oracle] | msc | a file")
+    add_dedup_option(p)
     p.add_argument("--retriever", nargs="+", type=retriever_name, default=[DEFAULT_RETRIEVER],
                    help="minilm | bm25 | contriever | stella | gte | an encoder folder | hybrid[:DENSE] (BM25 + DENSE, default minilm, reciprocal-rank fused) | bm25:DENSE (BM25's ranking over DENSE's bank, rerankable) (several allowed)")
     p.add_argument("--granularity", nargs="+", choices=("turn", "session", "topic"), default=["turn"],
@@ -79,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from rmm.eval.retrieval import evaluate_orders, headroom_by_cutoff
 
     dataset = load_benchmark(args)
+    questions = question_set(dataset, args.no_dedup)
     topics = "topic" in args.granularity
     llm = load_llm(args.llm) if args.llm and topics else None
     reflector = {"merge_threshold": args.merge_threshold} if topics else None
@@ -104,16 +107,17 @@ def run(args: argparse.Namespace) -> int:
                 reranked.headroom = headroom_by_cutoff(report, reranked)
                 reports[f"{name}/{granularity}+reranker"] = reranked
             if len(args.granularity) == 1:
-                print_figures(report_figures(report), console)
+                print_figures(report_figures(report, questions), console)
                 if report.skipped:
                     console.print(f"[dim]{report.skipped} questions without gold evidence were skipped[/dim]")
             if reranked is not None:
                 if len(args.granularity) == 1:
-                    print_figures(report_figures(reranked), console)
-                print_figures(headroom_figures(report, reranked), console)
+                    print_figures(report_figures(reranked, questions), console)
+                print_figures(headroom_figures(report, reranked, questions), console)
     if len(args.granularity) > 1:
         for name in args.retriever:
-            print_figures(granularity_figures([reports[f"{name}/{g}"] for g in args.granularity], name), console)
+            print_figures(granularity_figures([reports[f"{name}/{g}"] for g in args.granularity], name, questions),
+                          console)
     if len(reports) == 1:
         write_json(args.json, next(iter(reports.values())).to_json())
     else:
@@ -148,13 +152,13 @@ def _rerankable_with_reranker(args: argparse.Namespace) -> str | None:
     return next((message for message in map(unrerankable, args.retriever) if message), None)
 
 
-def headroom_figures(base: Any, reranked: Any) -> Figures:
+def headroom_figures(base: Any, reranked: Any, questions: str = "") -> Figures:
     """Per cut-off below the ceiling: the retriever, the reranked list, the ceiling, the share captured."""
     k = base.ceiling
     figures = Figures(title=f"{base.dataset} · {escape(base.retriever)} · {base.granularity}: headroom up to "
                             f"R@{k} (%)",
                       caption=f"ceiling = the top {k} candidates' recall, the most a reranker of them can reach; "
-                              "captured = (reranked − retriever) / (ceiling − retriever)",
+                              "captured = (reranked − retriever) / (ceiling − retriever)" + _of(questions),
                       columns=["cut-off", "retriever alone", "+ reranker", f"ceiling R@{k}", "headroom captured"])
     for cut, row in reranked.headroom.items():
         figures.add_row(cut, fmt(row["retriever"]), fmt(row["reranked"]), fmt(row[f"ceiling_recall@{k}"]),
@@ -173,11 +177,17 @@ def _category_rows(figures: Figures, first: Any, cells: Any) -> None:
     figures.add_row(f"[bold]{label}", f"[bold]{first.overall['n']}", *(f"[bold]{c}" for c in cells(None)))
 
 
-def report_figures(report: Any) -> Figures:
+def _of(questions: str) -> str:
+    """The question set (`rmm.cli.tables.question_set`) as a caption's last sentence."""
+    return f". Questions: {questions}" if questions else ""
+
+
+def report_figures(report: Any, questions: str = "") -> Figures:
     """One retriever at one granularity: every metric at every K, per category."""
     metrics = [(f"{m}@{k}", f"{SHORT[m]}@{k}") for k in report.ks for m in SHORT]
     figures = Figures(title=f"{report.dataset} · {report.retriever} · {report.granularity} granularity (%)",
-                      caption="R = fractional recall, any / all = recall_any / recall_all" + ceiling_note([report]),
+                      caption="R = fractional recall, any / all = recall_any / recall_all" + ceiling_note([report])
+                              + _of(questions),
                       columns=["category", "n", *(short for _, short in metrics)])
 
     def cells(cat: str | None) -> list[str]:
@@ -201,7 +211,7 @@ def ceiling_note(reports: list[Any]) -> str:
             "the most a reranker of them can reach")
 
 
-def granularity_figures(reports: list[Any], retriever: str) -> Figures:
+def granularity_figures(reports: list[Any], retriever: str, questions: str = "") -> Figures:
     """One table, granularities side by side (the paper's Fig. 4 comparison)."""
     first = reports[0]
     metrics = [(f"recall@{k}", f"R@{k}") for k in first.ks]
@@ -209,7 +219,7 @@ def granularity_figures(reports: list[Any], retriever: str) -> Figures:
     figures = Figures(title=f"{first.dataset} · {retriever} · memory granularity (%)",
                       caption="R = fractional recall. turn and topic are scored on gold turns (topic through its "
                               "refs), session on gold sessions. topic = prospective reflection" + topic_by
-                              + ceiling_note(reports),
+                              + ceiling_note(reports) + _of(questions),
                       columns=["category", "n", *(f"{r.granularity} {short}" for r in reports for _, short in metrics)])
 
     def cells(cat: str | None) -> list[str]:

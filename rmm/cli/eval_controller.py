@@ -1,6 +1,5 @@
-"""`rmm eval-controller` (alias `eval-goal`, its name until 0.2): gold-evidence recall of a controller's
-memories (GOAL-MEM or MemR³) against one direct query with the same number of memories, with the
-LLM cost per question."""
+"""`rmm eval-controller`: gold-evidence recall of a controller's memories (GOAL-MEM or MemR³) against
+one direct query with the same number of memories, with the LLM cost per question."""
 
 from __future__ import annotations
 
@@ -19,27 +18,18 @@ from rmm.cli.frontend_options import (
     frontend_config,
     refuse_simulated,
 )
-from rmm.cli.tables import Figures, print_figures
+from rmm.cli.tables import Figures, print_figures, question_set
 from rmm.errors import RmmError
 
 __all__ = ["controller_figures", "register", "run"]
 
 log = logging.getLogger(__name__)
 
-OLD_NAME = "eval-goal"
-
 
 def register(subparsers: Any) -> None:
-    _register(subparsers, "eval-controller", "controller retrieval (GOAL-MEM or MemR³): gold-evidence recall of the "
-                                             "memories the controller retrieved vs one direct query with the same "
-                                             "number of memories")
-    _register(subparsers, OLD_NAME, "the old name of eval-controller (same options, --frontend goal by default), "
-                                    "kept as an alias until rmm 0.3")
-
-
-def _register(subparsers: Any, name: str, text: str) -> None:
-    """The command under `name`; the alias gets its own parser so that its errors name what was typed."""
-    p = subparsers.add_parser(name, help=text)
+    p = subparsers.add_parser("eval-controller", help="controller retrieval (GOAL-MEM or MemR³): gold-evidence recall "
+                                                      "of the memories the controller retrieved vs one direct query "
+                                                      "with the same number of memories")
     p.add_argument("--dataset", default="locomo")
     p.add_argument("--category", type=positive_int, default=1, help="question category (LoCoMo 1 = multi-hop)")
     p.add_argument("--llm", required=True, help="hf:PATH | openai:URL@MODEL | vllm:PATH (the simulated LLM "
@@ -66,8 +56,6 @@ def run(args: argparse.Namespace) -> int:
     from rmm.frontends.trace import print_trace
     from rmm.policy.recipes import LearnerConfig
 
-    if args.command == OLD_NAME:
-        log.warning("`rmm %s` is now `rmm eval-controller`; the old name goes in rmm 0.3", OLD_NAME)
     dataset = load_questions(args)
     if dataset.categories and args.category not in dataset.categories:
         known = ", ".join(f"{c} {name}" for c, name in sorted(dataset.categories.items()))
@@ -88,13 +76,14 @@ def run(args: argparse.Namespace) -> int:
     report = evaluate_controller_recall(dataset, opened.retriever, llm, category=args.category, limit=args.limit,
                                         k=args.k, m=args.m, config=frontend_config(args), answer=args.answer,
                                         on_trace=show)
-    print_figures(controller_figures(report), common.console)
+    print_figures(controller_figures(report, question_set(dataset, args.no_dedup)), common.console)
     common.write_json(args.json, report.to_json())
     return 0
 
 
-def controller_figures(report: Any) -> Figures:
-    """One row: recall of both ways of retrieving, then what the controller cost per question."""
+def controller_figures(report: Any, questions: str = "") -> Figures:
+    """One row: recall of both ways of retrieving, then what the controller cost per question;
+    `questions` (`rmm.cli.tables.question_set`) ends the caption."""
     from rmm.frontends.controllers import CONTROLLERS
 
     controller = CONTROLLERS[report.frontend]
@@ -102,7 +91,7 @@ def controller_figures(report: Any) -> Figures:
                             f"budget · {controller.label} · {escape(report.llm)}",
                       caption=f"{report.frontend} = union of the memories the {controller.label} front end's queries "
                               "retrieved; direct = one query with the question, same number of memories. "
-                              "Cost per question.",
+                              "Cost per question." + (f" Questions: {questions}" if questions else ""),
                       columns=["n", f"recall {report.frontend}", "recall direct", "memories", controller.settled,
                                "LLM calls", "prompt tok", "completion tok", "LLM s"], label=False)
     figures.add_row(str(report.n), common.fmt(report.recall_controller), common.fmt(report.recall_direct),

@@ -1,19 +1,19 @@
 """`rmm eval-qa`: benchmark questions answered through the agent (directly, or through the GOAL-MEM or
 MemR³ front end), judged for accuracy and F1, with citation precision and the recall of what was shown.
 
-LoCoMo is read without the 12 repeated questions MemR³ (App. C.3) found (`load_locomo(dedup=True)`)
-unless `--no-dedup`; `eval-controller` reads it the same way."""
+LoCoMo is read without the 12 repeated questions MemR³ (App. C.3) found unless `--no-dedup`, as every
+command reads it (`rmm.cli.common.load_benchmark`)."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from rmm.cli.arguments import positive_int, rerankable_retriever_name, unrerankable
 from rmm.cli.common import (
     DEFAULT_RETRIEVER,
     add_common_options,
+    add_dedup_option,
     add_k_m_options,
     console,
     fmt,
@@ -28,7 +28,7 @@ from rmm.cli.frontend_options import (
     frontend_config,
     refuse_simulated,
 )
-from rmm.cli.tables import Figures, print_figures
+from rmm.cli.tables import Figures, print_figures, question_set
 from rmm.errors import RmmError
 
 __all__ = ["add_dedup_option", "load_questions", "qa_figures", "register", "run"]
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     report = evaluate_qa(dataset, opened.retriever, llm, judge, granularity=args.granularity, limit=args.limit,
                          k=args.k, m=args.m, frontend=args.frontend, learn=not args.no_learn,
                          frontend_config=frontend_config(args), on_trace=lambda trace: _trace(args, trace))
-    print_figures(qa_figures(report), console)
+    print_figures(qa_figures(report, question_set(dataset, args.no_dedup)), console)
     write_json(args.json, report.to_json())
     return 0
 
@@ -90,34 +90,24 @@ def _trace(args: argparse.Namespace, trace: Any) -> None:
     append_trace(args.trace_json, trace.to_json())
 
 
-def add_dedup_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-dedup", action="store_true",
-                   help="LoCoMo: keep the 12 repeated questions (default: drop them, as MemR³ App. C.3 does; "
-                        "category counts 282 / 321 / 96 / 830 / 445)")
-
-
 def load_questions(args: argparse.Namespace) -> Any:
-    """The benchmark `--dataset` names; LoCoMo without its repeated questions unless --no-dedup."""
-    dataset = load_benchmark(args)  # finds (or downloads) the file, with the usual one-line errors
-    if dataset.name != "locomo" or args.no_dedup:
-        return dataset
-    from rmm.data import DATASETS, load_locomo
-
-    _, _, explicit = args.dataset.partition(":")
-    path = Path(explicit).expanduser() if explicit else DATASETS["locomo"].path(args.data_dir)
-    return load_locomo(path, dedup=True)
+    """The benchmark `--dataset` names; LoCoMo without its repeated questions unless --no-dedup
+    (`load_benchmark`, as every command reads it)."""
+    return load_benchmark(args)
 
 
-def qa_figures(report: Any) -> Figures:
-    """Per category: judge accuracy and F1 (real generators), cited precision and shown recall."""
+def qa_figures(report: Any, questions: str = "") -> Figures:
+    """Per category: judge accuracy and F1 (real generators), cited precision and shown recall;
+    `questions` (`rmm.cli.tables.question_set`) ends the caption."""
     from rmm.frontends.controllers import CONTROLLERS
 
     simulated = report.simulated
     columns = ["cited precision", "shown recall"] if simulated else ["judge", "F1", "cited precision", "shown recall"]
     figures = Figures(title=f"{report.dataset} QA through the agent · {report.llm} · {report.granularity} memories"
                             + ("" if report.frontend == "direct" else f" · {CONTROLLERS[report.frontend].label} front end"),
-                      caption="simulated generator: no answers, so no judge or F1 — citation and recall figures only"
-                              if simulated else "judge = LLM-judge accuracy (%)",
+                      caption=("simulated generator: no answers, so no judge or F1 — citation and recall "
+                               "figures only" if simulated else "judge = LLM-judge accuracy (%)")
+                              + (f". Questions: {questions}" if questions else ""),
                       columns=["category", "n", *columns])
     for cat, row in {**report.by_category, "overall": report.overall}.items():
         figures.add_row(str(cat) + (f" {row['name']}" if row.get("name") else ""), str(row["n"]),

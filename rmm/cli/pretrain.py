@@ -35,10 +35,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-# The name 0.1 exported from rmm.training.pretrain_cli (still importable from there until 0.3).
-add_pretrain_command = register
-
-
 def _recipe_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the recipe and its overrides, if anything (unknown keys, bad values)."""
     from rmm.errors import ConfigError

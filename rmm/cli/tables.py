@@ -11,13 +11,14 @@ needs (a file has no right edge). `--json` stays the machine format.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rich import box
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-__all__ = ["Figures", "headroom_cell", "print_figures"]
+__all__ = ["Figures", "headroom_cell", "print_figures", "question_set"]
 
 _UNBOUNDED = 100_000
 
@@ -54,6 +55,19 @@ class Figures:
 def headroom_cell(share: float | None) -> str:
     """A share of headroom captured (`rmm.eval.retrieval.headroom_captured`) as a table cell."""
     return "n/a (no headroom)" if share is None else f"{100 * share:.0f}%"
+
+
+def question_set(dataset: Any, no_dedup: bool) -> str:
+    """For a caption: how many questions the dataset holds, and for one with repeated questions
+    (LoCoMo) whether they were dropped — the count tells a reader which set the figures come from."""
+    from rmm.data import DATASETS
+
+    count = f"{len(dataset.questions):,} {dataset.name} questions"
+    spec = DATASETS.get(dataset.name)
+    if spec is None or not spec.dedups:
+        return count
+    kept = " (repeated ones kept: --no-dedup)" if no_dedup else " (repeated ones dropped; --no-dedup keeps them)"
+    return count + kept
 
 
 def _two_lines(header: str) -> str:

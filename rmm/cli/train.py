@@ -27,6 +27,7 @@ from rmm.cli.arguments import (
 from rmm.cli.common import (
     DEFAULT_RETRIEVER,
     add_common_options,
+    add_dedup_option,
     add_k_m_options,
     console,
     fmt,
@@ -34,7 +35,7 @@ from rmm.cli.common import (
     write_json,
 )
 from rmm.cli.settings import PRECEDENCE, add_config_options
-from rmm.cli.tables import Figures, headroom_cell, print_figures
+from rmm.cli.tables import Figures, headroom_cell, print_figures, question_set
 from rmm.errors import RmmError
 
 CREDIT_FORMS = ("per-pick", "reward-to-go", "sequence")  # rmm.policy.credit.CREDITS (not imported: --help stays light)
@@ -53,6 +54,7 @@ def _baseline(value: str) -> float | str:
 
 def add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="locomo")
+    add_dedup_option(p)
     p.add_argument("--retriever", type=rerankable_retriever_name, default=DEFAULT_RETRIEVER,
                    help="encoder preset or folder, hybrid[:DENSE] (BM25 + dense, fused) or bm25:DENSE (BM25's ranking over the dense bank; plain bm25 has no embeddings to rerank)")
     p.add_argument("--granularity", choices=("turn", "session", "topic"), default="turn",
@@ -138,6 +140,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rmm.eval.benchmark_bank import open_retriever
     from rmm.training.online import OnlineTrainer, plot
+    from rmm.training.online_report import split_summary
 
     dataset = load_benchmark(args)
     opened = open_retriever(args.retriever, dataset, args.granularity, cache=args.cache_dir, device=args.device,
@@ -148,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     wandb_run = _wandb(args, cfg)
     t0 = time.perf_counter()
     trainer = OnlineTrainer(dataset, opened.retriever, cfg, output_dir=args.output, wandb_run=wandb_run)
-    console.print(f"[bold]split[/bold]: {trainer.split.description}")
+    console.print(f"[bold]split[/bold]: {escape(split_summary(trainer.split, cfg.per_user))} "
+                  "[dim](every user: --json)[/dim]")
     report = trainer.run()
     elapsed = time.perf_counter() - t0
     if wandb_run is not None:
@@ -156,10 +160,10 @@ def run(args: argparse.Namespace) -> int:
                                   "reranker_heldout": report.reranker_heldout, "generation": report.generation})
         wandb_run.finish()
     label = args.retriever if args.granularity == "turn" else f"{args.retriever} ({args.granularity} memories)"
-    print_figures(train_figures(report, label), console)
-    _print_cited_ratio(report.cited_ratio, elapsed)
+    print_figures(train_figures(report, label, question_set(dataset, args.no_dedup)), console)
+    _print_same_questions(report.same_questions, len(report.cited_ratio), elapsed)
     _print_generation(report)
-    console.print(f"[dim]{report.split}[/dim]")
+    console.print(f"[dim]{escape(report.split_summary)}[/dim]")
     write_json(args.json, {**report.to_json(), "granularity": args.granularity})
     if args.plot:
         console.print(f"plot: {plot(report, args.plot)}")
@@ -217,18 +221,21 @@ def _wandb(args: argparse.Namespace, cfg: Any) -> Any | None:
                       job_type="online-reranker")
 
 
-def train_figures(report: Any, retriever: str) -> Figures:
+def train_figures(report: Any, retriever: str, questions: str = "") -> Figures:
     """Each headline metric for the retriever alone, with the reranker, and the lift in points; after
     each stream's rows its ceiling (recall@K of the K candidates, which reordering cannot change)
-    and the share of the headroom up to it that the reranker captured."""
+    and the share of the headroom up to it that the reranker captured. The caption says at which
+    cut-offs (M: what the generator is shown; K: the retriever's list) and on which questions
+    (`questions`: the dataset's question set, `rmm.cli.tables.question_set`)."""
     from rmm.training.online import headline
     from rmm.training.online_report import headroom
 
-    figures = Figures(title=f"Online reranker on {escape(retriever)} — citations: {escape(report.citer)} — "
-                            f"{escape(report.headline_questions)} (%)",
-                      columns=["metric", "retriever alone", "+ reranker", "lift (points)"])
     room = report.headroom or headroom(report)
     k, m = room["k"], room["m"]
+    figures = Figures(title=f"Online reranker on {escape(retriever)} — citations: {escape(report.citer)} — "
+                            f"{escape(report.headline_questions)} (%)",
+                      caption=_train_caption(report, k, m, questions),
+                      columns=["metric", "retriever alone", "+ reranker", "lift (points)"])
     for name, before, after in headline(report):
         figures.add_row(name, fmt(before), fmt(after), f"{100 * (after - before):+.1f}")
         stream = {f"prequential ndcg@{m}": "prequential", f"held-out ndcg@{m}": "heldout"}.get(name)
@@ -240,12 +247,42 @@ def train_figures(report: Any, retriever: str) -> Figures:
     return figures
 
 
-def _print_cited_ratio(ratio: list[float], elapsed: float) -> None:
-    """How the share of shown memories that got cited moved from the first to the last tenth of steps."""
-    if ratio:
-        q = max(1, len(ratio) // 10)
-        console.print(f"cited ratio: first {q} steps {sum(ratio[:q]) / q:.3f} → last {q} steps "
-                      f"{sum(ratio[-q:]) / q:.3f}   ({len(ratio)} steps, {elapsed:.0f}s)")
+def _train_caption(report: Any, k: int | None, m: int, questions: str) -> str:
+    """Which cut-offs the rows are read at, and how many questions they cover."""
+    shown = report.config.get("m", m)
+    memories = "memory" if shown == 1 else "memories"
+    at = (f"figures @{m}: among the M = {m} {memories} the generator is shown" if m == shown
+          else f"figures @{m}: among the first {m} of the M = {shown} {memories} the generator is shown")
+    parts = [at + (f"; recall@{k}: among the retriever's K = {k} candidates the reranker reorders (the ceiling)"
+                   if k is not None else "")]
+    counts = report.questions or {}
+    if counts:
+        used = (f"{counts['train']:,} training questions (prequential: each scored before its own update) and "
+                f"{counts['heldout']:,} held out")
+        unscorable = counts["dataset"] - counts["scorable"]
+        if unscorable:
+            used += f"; {unscorable} without gold evidence left out"
+        if counts.get("dropped"):
+            used += f"; {counts['dropped']:,} dropped by the split"
+        parts.append(f"{questions}: {used}" if questions else used)
+    elif questions:
+        parts.append(questions)
+    return ". ".join(parts)
+
+
+def _print_same_questions(lift: dict[str, Any], steps: int, elapsed: float) -> None:
+    """The retriever alone and the reranker on the same questions, at the start and the end of the
+    training stream (`rmm.training.online_report.same_question_lift`): whether the lift grew."""
+    if not lift:
+        return
+
+    def window(name: str) -> str:
+        before, after = lift[name]["retriever"], lift[name]["reranker"]
+        return f"retriever {100 * before:.1f}, + reranker {100 * after:.1f} ({100 * (after - before):+.1f})"
+
+    console.print(f"prequential {lift['metric']} on the same questions — first {lift['questions']} of the stream: "
+                  f"{window('first')}; last {lift['questions']}: {window('last')}   ({steps} steps, {elapsed:.0f}s)",
+                  highlight=False)
 
 
 def _print_generation(report: Any) -> None:

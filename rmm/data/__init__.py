@@ -4,6 +4,10 @@ Names (`DATASETS`): `locomo`, `longmemeval` (= `longmemeval:s`), `longmemeval:or
 `longmemeval:s`, `longmemeval:m`, `msc` (valid split; `msc:test`, `msc:train` for the others).
 `NAME:PATH` loads that dataset from an explicit file (or MSC folder) instead of the data
 directory, e.g. `longmemeval:/data/longmemeval_s.json` for the original, uncleaned release.
+`jsonl:PATH` reads rmm's own format (`rmm.data.jsonl`, docs/dataset-format.md), a file or a folder.
+
+LoCoMo loads without its 12 repeated questions (`dedup=True`, MemR³ App. C.3: 1,974 questions)
+unless `dedup=False` (1,986): every command reads the same question set by default.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ class DatasetSpec:
 
     name: str
     relative_path: str
-    loader: Callable[[Path], Dataset]
+    loader: Callable[..., Dataset]  # (path) → Dataset; also takes dedup= where `dedups`
     download_name: str
     marker: str = ""  # for folders: the file whose presence means "the dataset is here"
+    dedups: bool = False  # its loader takes `dedup` (drops repeated questions)
 
     def path(self, data_dir: str | os.PathLike[str] | None = None) -> Path:
         return resolve_data_dir(data_dir) / self.relative_path
@@ -59,7 +64,7 @@ def _msc_spec(split: str) -> DatasetSpec:
 
 
 DATASETS: dict[str, DatasetSpec] = {
-    "locomo": DatasetSpec("locomo", SOURCES["locomo"].relative_path, load_locomo, "locomo"),
+    "locomo": DatasetSpec("locomo", SOURCES["locomo"].relative_path, load_locomo, "locomo", dedups=True),
     **{
         name: DatasetSpec(name, SOURCES[name].relative_path, load_longmemeval, name)
         for name in ("longmemeval:s", "longmemeval:oracle", "longmemeval:m")
@@ -86,8 +91,11 @@ def load_dataset(
     name: str,
     data_dir: str | os.PathLike[str] | None = None,
     download: bool = False,
+    *,
+    dedup: bool = True,
 ) -> Dataset:
-    """Load a dataset by name from the data directory, downloading it first if asked to."""
+    """Load a dataset by name from the data directory, downloading it first if asked to; `dedup`
+    drops repeated questions where the dataset has them (LoCoMo), so every caller reads one set."""
     key = ALIASES.get(name, name)
     if key in DATASETS:
         spec = DATASETS[key]
@@ -98,17 +106,28 @@ def load_dataset(
             download_dataset(spec.download_name, data_dir)
             if not spec.present(path):
                 raise DataError(_missing_message(spec, path))
-        return spec.loader(path)
+        return _read(spec, path, dedup)
 
     base, sep, explicit = name.partition(":")
+    if base == "jsonl" and sep:  # rmm's own format (docs/dataset-format.md): a file or a folder of them
+        from rmm.data.jsonl import load_jsonl
+
+        if not explicit:
+            raise DataError("jsonl: needs a path, e.g. jsonl:my_logs.jsonl (a file or a folder of .jsonl files)")
+        return load_jsonl(explicit)
     base_key = ALIASES.get(base, base)
     if sep and explicit and base_key in DATASETS:
         path = Path(explicit).expanduser()
         if not path.exists():
             raise DataError(f"dataset {base!r}: {path} does not exist")
-        return DATASETS[base_key].loader(path)
+        return _read(DATASETS[base_key], path, dedup)
     known = ", ".join(sorted([*DATASETS, *ALIASES]))
-    raise DataError(f"unknown dataset {name!r}; known: {known} (or NAME:PATH for a file)")
+    raise DataError(f"unknown dataset {name!r}; known: {known} (or NAME:PATH for a file, jsonl:PATH for rmm's "
+                    "own format)")
+
+
+def _read(spec: DatasetSpec, path: Path, dedup: bool) -> Dataset:
+    return spec.loader(path, dedup=dedup) if spec.dedups else spec.loader(path)
 
 
 __all__ = [

@@ -19,6 +19,8 @@ Quirks handled here (shared/data/README.md):
   the adversarial copy of "What did Gina receive from a dance contest?" in conv-30 and 11
   single-hop repeats in conv-48 (category counts 282 / 321 / 96 / 830 / 445 instead of
   282 / 321 / 96 / 841 / 446). Question ids keep their position in the file (`conv-48:q16` stays).
+  `rmm.data.load_dataset("locomo")` (every command) reads with `dedup=True` unless told otherwise;
+  this reader keeps the file as it is by default.
 """
 
 from __future__ import annotations

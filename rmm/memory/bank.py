@@ -355,19 +355,23 @@ class MemoryBank:
         return q
 
     def search_embeddings(
-        self, query_embs: torch.Tensor, user: str, k: int, queries: list[str] | None = None
+        self, query_embs: torch.Tensor, user: str, k: int, queries: list[str] | None = None,
+        search_with: torch.Tensor | None = None,
     ) -> list[Candidates]:
-        """Search with query vectors already computed (e.g. transformed by the reranker's W_q)."""
+        """Search with query vectors already computed. `search_with` (one row per query, e.g. the
+        reranker's learned `q @ A`) is what the index is searched with instead of `query_embs`:
+        it chooses the candidates, which still carry `query_embs` as their query embedding."""
         self._check_k(k)
         q = self.query_matrix(query_embs, None if queries is None else len(queries))
+        s = q if search_with is None else self.query_matrix(search_with, q.shape[0])
         texts = list(queries) if queries is not None else [""] * q.shape[0]
         with self._guard():
             self._check_open()
             if self._cache is None:  # the database searches: scores, ids and the hits' vectors in one go
-                scores, ids, gathered = cast(VectorSearchStorage, self.store).search(user, q.cpu(), k)
+                scores, ids, gathered = cast(VectorSearchStorage, self.store).search(user, s.cpu(), k)
             else:
                 index = self._cache.index_for(user)
-                scores, ids = index.search(q, k)
+                scores, ids = index.search(s, k)
                 flat = [i for row in ids for i in row]
                 gathered = index.vectors(flat) if flat else torch.zeros((0, self.dim))
         q_cpu = q.cpu()

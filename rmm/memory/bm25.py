@@ -5,9 +5,10 @@ Same `search` signature as `MemoryBank.search`, returning `Candidates` without e
 the store and rebuilt whenever the store's generation for that user has moved, so it never serves
 memories that were deleted or misses ones added by another process.
 
-Tokenisation is bm25s's own: lowercasing, `\\w\\w+` tokens, English stopwords removed, no
-stemming. A memory that shares no term with the query scores 0 and is not returned, so a query
-can get fewer than k (or zero) candidates.
+Tokenisation is `rmm.memory.tokens.tokenize` (bm25s's tokenizer only maps its words to ids), the
+same words the candidate features compare: lower-cased runs of two or more letters or digits,
+stopwords removed, no stemming. A memory that shares no term with the query scores 0 and is not
+returned, so a query can get fewer than k (or zero) candidates.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import numpy as np
 import torch
 
 from rmm.memory.storage import MemoryStorage
+from rmm.memory.tokens import tokenize
 from rmm.types import Candidates
 
 __all__ = ["BM25Retriever"]
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -40,9 +41,9 @@ class _UserBM25:
 class BM25Retriever:
     """BM25 (Lucene variant, k1=1.5, b=0.75 by default) per user, over `store`'s memory texts."""
 
-    def __init__(self, store: MemoryStorage, k1: float = 1.5, b: float = 0.75, method: str = "lucene", stopwords: str = "en") -> None:
+    def __init__(self, store: MemoryStorage, k1: float = 1.5, b: float = 0.75, method: str = "lucene") -> None:
         self.store = store
-        self.k1, self.b, self.method, self.stopwords = k1, b, method, stopwords
+        self.k1, self.b, self.method = k1, b, method
         self._lock = threading.RLock()
         self._cache: dict[str, _UserBM25] = {}
 
@@ -56,7 +57,7 @@ class BM25Retriever:
         if cached is not None and cached.generation == generation:
             return cached
         memories = self.store.memories(user)
-        tokenizer = Tokenizer(stopwords=self.stopwords)
+        tokenizer = Tokenizer(lower=False, splitter=tokenize, stopwords=None)  # tokenize lowers and drops them
         model = None
         if memories:
             corpus = tokenizer.tokenize([m.text for m in memories], return_as="ids", show_progress=False)

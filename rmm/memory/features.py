@@ -16,18 +16,16 @@ Pure functions over plain lists, shared with the research scripts (`scripts/rera
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 
 import torch
 
 from rmm.errors import DataError
+from rmm.memory.tokens import content_words
 
 __all__ = [
     "CANDIDATE_FEATURES",
-    "STOPWORDS",
     "candidate_feature_matrix",
-    "content_words",
     "coverage",
     "feature_columns",
     "jaccard",
@@ -38,30 +36,12 @@ __all__ = [
 # The columns of `Candidates.features` a hybrid first stage computes, in this order:
 # each half's rank (reciprocal, and log-scaled over the depth; absent = at the depth), BM25's score over
 # its list's best, the cosine and its gap to the best cosine of the first stage's depth list, log(1 + whitespace tokens), and
-# the query's content-word overlap (Jaccard, share of the query's content words covered).
+# the query's content-word overlap (Jaccard, share of the query's content words covered; words as BM25 reads
+# them: `rmm.memory.tokens`).
 CANDIDATE_FEATURES: tuple[str, ...] = (
     "dense_rr", "bm25_rr", "dense_logrank", "bm25_logrank", "bm25_scaled",
     "cosine", "cosine_gap", "log_tokens", "jaccard", "query_coverage",
 )
-
-# Generic English function words plus question scaffolding ("what do you know about"): words that
-# say nothing about which memory answers. Deliberately short — content words are what is compared.
-STOPWORDS: frozenset[str] = frozenset("""
-a about above after again all am an and any are as at be been before being below between both but
-by can could did do does doing down during each few for from had has have having he her here hers
-herself him himself his how i if in into is it its itself just know like me more most my myself no
-nor not now of off on once only or other our ours out over own same she should so some such than
-that the their theirs them then there these they this those through to too under until up very was
-we were what when where which while who whom why will with would you your yours yourself
-""".split())  # noqa: SIM905 — one readable block of words
-
-TOKEN = re.compile(r"[a-z0-9]+")
-
-
-def content_words(text: str) -> set[str]:
-    """Lower-cased alphanumeric tokens minus stopwords and one-letter tokens."""
-    return {t for t in TOKEN.findall(text.lower()) if len(t) > 1 and t not in STOPWORDS}
-
 
 def jaccard(a: set[str], b: set[str]) -> float:
     """|a ∩ b| / |a ∪ b|; 0 when both are empty."""

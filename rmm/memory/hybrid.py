@@ -43,6 +43,10 @@ scaled score, the cosine and its gap, the memory's length and its content-word o
 query, computed here from the two lists `_fuse` already holds (depth `depth`; with
 `fusion="lexical"` the dense list is empty, so every dense rank is the depth) and the memories'
 texts (one store read per query). Off by default: only a reranker that weighs them needs them.
+The features describe the query and the memory, never how the candidate was chosen: a search
+with the reranker's learned query (`search_embeddings(q, ..., search_with=q·A)`, `scope: bank`)
+fuses the dense list of q·A, but every candidate's features come from q's own dense list and
+cosines, the numbers the reranker was trained on.
 """
 
 from __future__ import annotations
@@ -128,6 +132,14 @@ class HybridRetriever:
         self.fusion, self.rrf_k, self.alpha, self.depth = fusion, rrf_k, alpha, depth
         self.candidate_features = candidate_features  # fill `Candidates.features` (module docstring)
 
+    def over(self, bank: MemoryBank) -> HybridRetriever:
+        """The same first stage (fusion, depth, BM25's parameters, features) over another bank, e.g.
+        a copy of some of this one's memories (the bank as it stood earlier, `rmm.training.online`)."""
+        lex = self.lexical
+        return HybridRetriever(bank, fusion=self.fusion, rrf_k=self.rrf_k, alpha=self.alpha, depth=self.depth,
+                               lexical=BM25Retriever(bank.store, k1=lex.k1, b=lex.b, method=lex.method),
+                               candidate_features=self.candidate_features)
+
     # -- what callers of a dense bank read ------------------------------------------------------
     @property
     def store(self) -> MemoryStorage:  # evaluators map ids back to memories through it
@@ -161,21 +173,33 @@ class HybridRetriever:
     def embeddings(self, user: str, ids: list[str]) -> torch.Tensor:
         return self.bank.embeddings(user, ids)
 
-    def search_embeddings(self, query_embs: torch.Tensor, user: str, k: int,
-                          queries: list[str] | None = None) -> list[Candidates]:
-        """`search` with given query vectors (e.g. the reranker's learned `q @ A`): a fusion searches
-        its dense half with them; `fusion="lexical"` ranks by BM25 over `queries`' text and only
-        carries them as each candidate's query vector. The dense search alone when no text is given."""
+    def search_embeddings(self, query_embs: torch.Tensor, user: str, k: int, queries: list[str] | None = None,
+                          search_with: torch.Tensor | None = None) -> list[Candidates]:
+        """`search` with given query vectors: a fusion searches its dense half with them;
+        `fusion="lexical"` ranks by BM25 over `queries`' text and only carries them as each
+        candidate's query vector. The dense search alone when no text is given.
+
+        `search_with` (e.g. the reranker's learned `q @ A`, `scope: bank`) only chooses the
+        candidates: the dense half is searched with it, but every candidate carries `query_embs`
+        and its features are those of `query_embs` — dense ranks and `top_cosine` from the dense
+        list `query_embs` gets, cosines against it — the same numbers the reranker was trained on
+        over `search`'s candidates. (`fusion="lexical"` chooses by BM25, so it searches nothing with it.)"""
         MemoryBank._check_k(k)
         if queries is None:
-            return self.bank.search_embeddings(query_embs, user, k)
+            return self.bank.search_embeddings(query_embs, user, k, search_with=search_with)
+        queries = list(queries)
         if self.fusion == "lexical":
-            queries = list(queries)
             vectors = self.bank.query_matrix(query_embs, len(queries)).cpu()
+            if search_with is not None:
+                self.bank.query_matrix(search_with, len(queries))  # the same shape check as a fusion's
             self.bank.store.require_user(user)
             return self._fused(self._no_dense(vectors, queries, user), queries, user, k)
-        dense = self.bank.search_embeddings(query_embs, user, max(k, self.depth), queries=queries)
-        return self._fused(dense, list(queries), user, k)
+        depth = max(k, self.depth)
+        dense = self.bank.search_embeddings(query_embs, user, depth, queries=queries, search_with=search_with)
+        featured = None
+        if search_with is not None and self.candidate_features:  # the features' dense list: the query's own
+            featured = self.bank.search_embeddings(query_embs, user, depth, queries=queries)
+        return self._fused(dense, queries, user, k, featured)
 
     # -- search ---------------------------------------------------------------------------------
     def search(self, queries: list[str], user: str, k: int) -> list[Candidates]:
@@ -199,11 +223,14 @@ class HybridRetriever:
         return [Candidates(query=text, memory_ids=[], retriever_scores=torch.zeros(0), embeddings=empty,
                            query_embedding=q[i].clone(), user_id=user) for i, text in enumerate(queries)]
 
-    def _fused(self, dense: list[Candidates], queries: list[str], user: str, k: int) -> list[Candidates]:
+    def _fused(self, dense: list[Candidates], queries: list[str], user: str, k: int,
+               featured: list[Candidates] | None = None) -> list[Candidates]:
         """Each query's dense list (searched `max(k, depth)` deep, or empty for `fusion="lexical"`)
-        fused with BM25's at the same depth."""
+        fused with BM25's at the same depth; `featured`: the dense lists the features are computed
+        from when they are not the ones fused (a search with a learned query, `search_embeddings`)."""
         lexical = self.lexical.search(queries, user, max(k, self.depth))
-        return [self._fuse(d, b, k, user) for d, b in zip(dense, lexical)]
+        featured_lists = featured if featured is not None else dense
+        return [self._fuse(d, b, k, user, f) for d, b, f in zip(dense, lexical, featured_lists)]
 
     def fused_scores(self, dense: Candidates, lexical: Candidates,
                      scaled: dict[str, float] | None = None) -> dict[str, float]:
@@ -220,7 +247,9 @@ class HybridRetriever:
         b = scaled if len(lexical) <= self.depth else min_max(lexical.memory_ids, lexical.retriever_scores.tolist())
         return _convex_mix(min_max(dense.memory_ids, dense.retriever_scores.tolist()), b, self.alpha)
 
-    def _fuse(self, dense: Candidates, lexical: Candidates, k: int, user: str) -> Candidates:
+    def _fuse(self, dense: Candidates, lexical: Candidates, k: int, user: str,
+              featured: Candidates | None = None) -> Candidates:
+        """`dense` and `lexical` fused into the top k; the features from `featured` (default `dense`)."""
         scaled = self.scaled_bm25(lexical)  # once per query: the feature, and the fusion's lexical half
         fused = self.fused_scores(dense, lexical, scaled)
         dense_rank = {m: i for i, m in enumerate(dense.memory_ids)}
@@ -237,7 +266,8 @@ class HybridRetriever:
             ranked = torch.tensor([fused[m] for m in order], dtype=torch.float32)
         features, names = None, ()
         if self.candidate_features:
-            features, names = self.features_of(dense, lexical, order, embeddings, user), CANDIDATE_FEATURES
+            features = self.features_of(dense if featured is None else featured, lexical, order, embeddings, user)
+            names = CANDIDATE_FEATURES
         return Candidates(
             query=dense.query,
             memory_ids=order,

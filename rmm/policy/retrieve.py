@@ -4,7 +4,8 @@
 bank with the reranker's folded query `q @ A` — for a dot-product retriever that is exactly the
 reranker's ordering over every memory, so a memory the base retriever ranked below K can still
 surface once the reranker has learned to want it. (A hybrid first stage fuses that search with
-BM25, `rmm.memory.hybrid`; candidates carry their lexical feature either way.)
+BM25, `rmm.memory.hybrid`; candidates carry their lexical feature either way, and their features
+are computed from the query q, not q @ A, as at `scope="topk"`.)
 
 `select(..., exclude=)` reranks the top-K of the memories *not* excluded (MemR³'s
 `Retrieve(q, M \\ M^ret)`): it fetches K + |excluded| so that K unseen candidates remain, keeps the
@@ -48,11 +49,9 @@ class RerankedRetriever:
         if self.scope == "topk":
             return self.bank.search(queries, user, k)
         q = self.bank.encoder.encode_queries(queries)
-        found = self.bank.search_embeddings(self.reranker.transform_queries(q), user, k, queries=queries)
-        # Candidates keep the *original* query embedding: the reranker rescoring them applies A itself.
-        for c, emb in zip(found, q):
-            c.query_embedding = emb
-        return found
+        # q·A only chooses the candidates; they carry q, and a hybrid's features are q's (the
+        # reranker rescoring them applies A itself, and was trained on features of q).
+        return self.bank.search_embeddings(q, user, k, queries=queries, search_with=self.reranker.transform_queries(q))
 
     def select(self, queries: list[str], user: str, *, explore: bool = False,
                generator: torch.Generator | None = None,

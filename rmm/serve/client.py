@@ -7,25 +7,58 @@ The loop an agent runs::
         reply = my_llm(prompt_with(hit.memories))          # cite memories by their `index`
         rmm.feedback(hit.selection_id, text=reply)          # the reranker learns from the citations
 
-Both clients share the request building and response parsing below; only the transport differs.
-Every non-2xx answer raises `RmmServerError` carrying the status code and the server's message.
+The answers are the server's own response models (`rmm.serve.schemas`, `rmm.serve.records`), parsed
+from the JSON by pydantic: one definition for both sides, so the client cannot drift from the API
+(`ROUTES` names, per method, the route it calls and the models it sends and parses;
+`tests/test_serve_schema_shared.py` checks them against the app's OpenAPI). Those modules import
+no torch, so an agent's process stays light. Both clients share the request building and response
+parsing below; only the transport differs. Every non-2xx answer raises `RmmServerError` carrying
+the status code and the server's message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Self
+from urllib.parse import quote
 
 import httpx
+from pydantic import BaseModel, TypeAdapter
 
 from rmm.errors import RmmError
+from rmm.serve.records import FeedbackResult, RetrieveResult, ShownMemory
+from rmm.serve.schemas import (
+    API_PREFIX,
+    AddMemoriesIn,
+    AddMemoriesOut,
+    AddSessionIn,
+    AddTurnsIn,
+    AddTurnsOut,
+    DeleteMemoryOut,
+    DeleteUserOut,
+    EndSessionIn,
+    FeedbackIn,
+    HealthOut,
+    JobOut,
+    MemoriesOut,
+    MemoryIn,
+    MemoryOut,
+    QueryIn,
+    RetrieveIn,
+    RetrieveOut,
+    TurnIn,
+    UsersOut,
+)
 
 __all__ = [
+    "ROUTES",
     "AsyncRmmClient",
     "DeleteUserResult",
     "Feedback",
+    "Health",
     "JobInfo",
     "MemoryInfo",
     "Query",
@@ -33,7 +66,17 @@ __all__ = [
     "RetrievedMemory",
     "RmmClient",
     "RmmServerError",
+    "Route",
 ]
+
+# The client's names for the server's answers: the same classes, not copies.
+Retrieval = RetrieveResult  # .memories, .selection_id, .error (one query of a batch that failed)
+RetrievedMemory = ShownMemory  # .index (what the LLM cites it by), .id, .text, .score, ...
+Feedback = FeedbackResult
+MemoryInfo = MemoryOut
+JobInfo = JobOut  # .job_id, .status, .finished, .result
+DeleteUserResult = DeleteUserOut
+Health = HealthOut
 
 
 class RmmServerError(RmmError):
@@ -44,9 +87,54 @@ class RmmServerError(RmmError):
         self.status, self.message, self.code = status, message, code
 
 
-# ---- typed results ------------------------------------------------------------------------------
+# ---- the routes the client calls ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Route:
+    """One route as the client calls it: method, path template, the model its body must satisfy
+    (None: no body) and the model its answer is parsed into."""
+
+    method: str
+    path: str
+    body: type[BaseModel] | None
+    answer: type
+
+    @cached_property
+    def _adapter(self) -> TypeAdapter[Any]:
+        return TypeAdapter(self.answer)  # built on first use: agents pay only for the routes they call
+
+    def url(self, **params: str) -> str:
+        """The path with each parameter percent-encoded (a user id may hold any character but '/')."""
+        return self.path.format(**{name: quote(value, safe="") for name, value in params.items()})
+
+    def parse(self, content: bytes) -> Any:
+        """The answer's JSON as `answer` (pydantic validation: a field the client does not know is
+        ignored, a missing or mistyped one is an error rather than a silent default)."""
+        return self._adapter.validate_json(content)
+
+
+USER = f"{API_PREFIX}/users/{{user}}"
+ROUTES: dict[str, Route] = {
+    "health": Route("GET", "/health", None, HealthOut),
+    "users": Route("GET", f"{API_PREFIX}/users", None, UsersOut),
+    "add_memories": Route("POST", f"{USER}/memories", AddMemoriesIn, AddMemoriesOut),
+    "memories": Route("GET", f"{USER}/memories", None, MemoriesOut),
+    "delete_memory": Route("DELETE", f"{USER}/memories/{{memory_id}}", None, DeleteMemoryOut),
+    "delete_user": Route("DELETE", USER, None, DeleteUserOut),
+    "add_turns": Route("POST", f"{USER}/turns", AddTurnsIn, AddTurnsOut),
+    "end_session": Route("POST", f"{USER}/sessions/end", EndSessionIn, JobOut),
+    "add_session": Route("POST", f"{USER}/sessions", AddSessionIn, JobOut),
+    "job": Route("GET", f"{API_PREFIX}/jobs/{{job_id}}", None, JobOut),
+    "retrieve": Route("POST", f"{API_PREFIX}/retrieve", RetrieveIn, RetrieveOut),
+    "feedback": Route("POST", f"{API_PREFIX}/feedback", FeedbackIn, FeedbackResult),
+}
+
+
+# ---- shared request building --------------------------------------------------------------------
 @dataclass
 class Query:
+    """One query of `retrieve`, positional for brevity (`Query("alice", "hiking?", m=3)`); its
+    fields are `QueryIn`'s."""
+
     user: str
     query: str
     k: int | None = None
@@ -61,107 +149,32 @@ class Query:
         return out
 
 
-@dataclass
-class RetrievedMemory:
-    index: int  # what the LLM cites it by
-    id: str
-    text: str
-    kind: str
-    refs: list[str]
-    score: float
-    retriever_score: float
-    time_span: tuple[str | None, str | None] | None = None
+def _given(model: BaseModel) -> dict[str, Any]:
+    """A request model as JSON, with only the fields the caller set (the server fills defaults)."""
+    return model.model_dump(mode="json", exclude_unset=True)
 
 
-@dataclass
-class Retrieval:
-    user: str
-    query: str
-    selection_id: str | None
-    explore: bool
-    expires_at: float | None
-    memories: list[RetrievedMemory]
-
-
-@dataclass
-class Feedback:
-    selection_id: str
-    rewards: list[float] | None
-    cited: list[int] | None
-    no_cite: bool
-    warnings: list[str]
-    updated: bool
-    loss: float | None
-    learner_step: int
-    learner_records: int
-    learned: bool = True  # False: stored only (greedy selection, or no parseable citation); see `reason`
-    reason: str | None = None
-
-
-@dataclass
-class MemoryInfo:
-    id: str
-    kind: str
-    text: str
-    refs: list[str] = field(default_factory=list)
-    source_text: str = ""
-    created_at: float = 0.0
-    updated_at: float = 0.0
-    time_span: tuple[str | None, str | None] | None = None
-
-
-@dataclass
-class JobInfo:
-    job_id: str
-    user: str
-    kind: str
-    status: str  # queued | running | done | failed | cancelled
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    result: dict[str, Any]
-    error: str | None
-
-    @property
-    def finished(self) -> bool:
-        return self.status in ("done", "failed", "cancelled")
-
-
-@dataclass
-class DeleteUserResult:
-    user: str
-    memories: int
-    selections: int
-    session_turns: int
-    jobs_cancelled: int
-
-
-# ---- shared request building / response parsing ---------------------------------------------
-def _span(value: Any) -> tuple[str | None, str | None] | None:
-    return None if value is None else (value[0], value[1])
-
-
-def _retrievals(payload: dict[str, Any]) -> list[Retrieval]:
-    return [Retrieval(user=r["user"], query=r["query"], selection_id=r["selection_id"], explore=r["explore"],
-                      expires_at=r["expires_at"],
-                      memories=[RetrievedMemory(**{**m, "time_span": _span(m.get("time_span"))}) for m in r["memories"]])
-            for r in payload["results"]]
-
-
-def _query_json(query: Query | dict[str, Any]) -> dict[str, Any]:
-    """A query as the API takes it: a `Query`, or a plain dict with the same fields."""
+def _query_json(query: Query | QueryIn | dict[str, Any]) -> dict[str, Any]:
+    """A query as the API takes it: a `Query`, a `QueryIn`, or a plain dict with the same fields.
+    Values are not checked here: the server refuses a bad one with its 422 message."""
     if isinstance(query, Query):
         return query.to_json()
+    if isinstance(query, QueryIn):
+        return _given(query)
     if isinstance(query, dict):
         return Query(**query).to_json()  # a misspelt field is a TypeError here, not a 422 later
-    raise TypeError(f"a query is a Query or a dict of its fields, got {type(query).__name__}")
+    raise TypeError(f"a query is a Query, a QueryIn or a dict of its fields, got {type(query).__name__}")
 
 
-def _memory_json(memory: str | dict[str, Any]) -> dict[str, Any]:
-    return {"text": memory} if isinstance(memory, str) else dict(memory)
+def _memory_json(memory: str | MemoryIn | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(memory, str):
+        return {"text": memory}
+    return _given(memory) if isinstance(memory, MemoryIn) else dict(memory)
 
 
-def _turn_json(turn: tuple[str, str] | dict[str, Any]) -> dict[str, Any]:
+def _turn_json(turn: tuple[str, str] | TurnIn | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(turn, TurnIn):
+        return _given(turn)
     if isinstance(turn, dict):
         return dict(turn)
     speaker, text = turn
@@ -178,17 +191,15 @@ def _feedback_json(selection_id: str, cited: list[int] | None, text: str | None,
     return body
 
 
-def _job(payload: dict[str, Any]) -> JobInfo:
-    return JobInfo(**payload)
+def _session_json(turns: list[tuple[str, str] | TurnIn | dict[str, Any]], session_id: str | None, time: str | None,
+                  speakers: list[str] | None, store_turns: bool) -> dict[str, Any]:
+    return {"turns": [_turn_json(t) for t in turns], "session_id": session_id, "time": time, "speakers": speakers,
+            "store_turns": store_turns}
 
 
-def _memories(payload: dict[str, Any]) -> list[MemoryInfo]:
-    return [MemoryInfo(**{**m, "time_span": _span(m.get("time_span"))}) for m in payload["memories"]]
-
-
-def _check(response: httpx.Response) -> Any:
+def _check(response: httpx.Response) -> None:
     if response.is_success:
-        return response.json()
+        return
     try:
         body = response.json()
         message, code = str(body.get("detail", body)), str(body.get("code", ""))
@@ -201,13 +212,16 @@ def _headers(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"}
 
 
-def _path(user: str) -> str:
-    from urllib.parse import quote
-
-    return quote(user, safe="")
+def _unreachable(base_url: object, exc: httpx.TransportError) -> RmmServerError:
+    return RmmServerError(0, f"cannot reach the rmm server at {base_url}: {exc}", "unreachable")
 
 
 # ---- the clients --------------------------------------------------------------------------------
+Memories = list[str | MemoryIn | dict[str, Any]]
+Turns = list[tuple[str, str] | TurnIn | dict[str, Any]]
+Queries = list[Query | QueryIn | dict[str, Any]]
+
+
 class RmmClient:
     """Blocking client; thread-safe (httpx connection pool). Use as a context manager or `close()`."""
 
@@ -215,50 +229,48 @@ class RmmClient:
                  transport: httpx.BaseTransport | None = None) -> None:
         self._http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout, transport=transport)
 
-    def _call(self, method: str, url: str, body: Any = None) -> Any:
+    def _call(self, name: str, body: dict[str, Any] | None = None, **params: str) -> Any:
+        route = ROUTES[name]
         try:
-            response = self._http.request(method, url, json=body)
+            response = self._http.request(route.method, route.url(**params), json=body)
         except httpx.TransportError as exc:
-            raise RmmServerError(0, f"cannot reach the rmm server at {self._http.base_url}: {exc}", "unreachable") from exc
-        return _check(response)
+            raise _unreachable(self._http.base_url, exc) from exc
+        _check(response)
+        return route.parse(response.content)
 
-    def health(self) -> dict[str, Any]:
-        return self._call("GET", "/health")
+    def health(self) -> Health:
+        return self._call("health")
 
     def users(self) -> list[str]:
-        return self._call("GET", "/v1/users")["users"]
+        return self._call("users").users
 
-    def add_memories(self, user: str, memories: list[str | dict[str, Any]]) -> list[str]:
-        """Store memories (text, or dicts with text/kind/id/refs/source_text/time); returns their ids."""
-        return self._call("POST", f"/v1/users/{_path(user)}/memories",
-                          {"memories": [_memory_json(m) for m in memories]})["ids"]
+    def add_memories(self, user: str, memories: Memories) -> list[str]:
+        """Store memories (text, `MemoryIn`, or dicts with text/kind/id/refs/source_text/time); returns their ids."""
+        return self._call("add_memories", {"memories": [_memory_json(m) for m in memories]}, user=user).ids
 
     def memories(self, user: str) -> list[MemoryInfo]:
-        return _memories(self._call("GET", f"/v1/users/{_path(user)}/memories"))
+        return self._call("memories", user=user).memories
 
     def delete_memory(self, user: str, memory_id: str) -> int:
-        """Returns how many pending selections that showed it were dropped."""
-        return self._call("DELETE", f"/v1/users/{_path(user)}/memories/{_path(memory_id)}")["selections_dropped"]
+        """Returns how many pending selections that showed it were dropped (always 0: they keep their vectors)."""
+        return self._call("delete_memory", user=user, memory_id=memory_id).selections_dropped
 
     def delete_user(self, user: str) -> DeleteUserResult:
-        return DeleteUserResult(**self._call("DELETE", f"/v1/users/{_path(user)}"))
+        return self._call("delete_user", user=user)
 
-    def add_turns(self, user: str, turns: list[tuple[str, str] | dict[str, Any]]) -> list[str]:
+    def add_turns(self, user: str, turns: Turns) -> list[str]:
         """Append `(speaker, text)` turns to the user's open session; returns the turn ids."""
-        return self._call("POST", f"/v1/users/{_path(user)}/turns", {"turns": [_turn_json(t) for t in turns]})["turn_ids"]
+        return self._call("add_turns", {"turns": [_turn_json(t) for t in turns]}, user=user).turn_ids
 
     def end_session(self, user: str, *, speakers: list[str] | None = None, store_turns: bool = False) -> JobInfo:
-        return _job(self._call("POST", f"/v1/users/{_path(user)}/sessions/end",
-                               {"speakers": speakers, "store_turns": store_turns}))
+        return self._call("end_session", {"speakers": speakers, "store_turns": store_turns}, user=user)
 
-    def add_session(self, user: str, turns: list[tuple[str, str] | dict[str, Any]], *, session_id: str | None = None,
-                    time: str | None = None, speakers: list[str] | None = None, store_turns: bool = False) -> JobInfo:
-        return _job(self._call("POST", f"/v1/users/{_path(user)}/sessions", {
-            "turns": [_turn_json(t) for t in turns], "session_id": session_id, "time": time, "speakers": speakers,
-            "store_turns": store_turns}))
+    def add_session(self, user: str, turns: Turns, *, session_id: str | None = None, time: str | None = None,
+                    speakers: list[str] | None = None, store_turns: bool = False) -> JobInfo:
+        return self._call("add_session", _session_json(turns, session_id, time, speakers, store_turns), user=user)
 
     def job(self, job_id: str) -> JobInfo:
-        return _job(self._call("GET", f"/v1/jobs/{_path(job_id)}"))
+        return self._call("job", job_id=job_id)
 
     def wait_job(self, job_id: str, timeout: float = 120.0, poll: float = 0.1) -> JobInfo:
         """Poll until the job is done, failed or cancelled (TimeoutError after `timeout` seconds)."""
@@ -271,9 +283,9 @@ class RmmClient:
                 raise TimeoutError(f"job {job_id} still {info.status} after {timeout} s")
             time.sleep(poll)
 
-    def retrieve(self, queries: list[Query | dict[str, Any]]) -> list[Retrieval]:
-        """Memories for each query (`Query` objects or dicts `{user, query, k?, m?, explore?}`)."""
-        return _retrievals(self._call("POST", "/v1/retrieve", {"queries": [_query_json(q) for q in queries]}))
+    def retrieve(self, queries: Queries) -> list[Retrieval]:
+        """Memories for each query (`Query`, `QueryIn` or dicts `{user, query, k?, m?, explore?}`)."""
+        return self._call("retrieve", {"queries": [_query_json(q) for q in queries]}).results
 
     def retrieve_one(self, user: str, query: str, **options: Any) -> Retrieval:
         (result,) = self.retrieve([Query(user, query, **options)])
@@ -282,7 +294,7 @@ class RmmClient:
     def feedback(self, selection_id: str, *, cited: list[int] | None = None, text: str | None = None,
                  no_cite: bool = False, structured: bool = False) -> Feedback:
         """Exactly one of: `cited` indices, the LLM's raw reply `text`, or `no_cite=True`."""
-        return Feedback(**self._call("POST", "/v1/feedback", _feedback_json(selection_id, cited, text, no_cite, structured)))
+        return self._call("feedback", _feedback_json(selection_id, cited, text, no_cite, structured))
 
     def close(self) -> None:
         self._http.close()
@@ -303,49 +315,46 @@ class AsyncRmmClient:
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=timeout,
                                        transport=transport, limits=limits)
 
-    async def _call(self, method: str, url: str, body: Any = None) -> Any:
+    async def _call(self, name: str, body: dict[str, Any] | None = None, **params: str) -> Any:
+        route = ROUTES[name]
         try:
-            response = await self._http.request(method, url, json=body)
+            response = await self._http.request(route.method, route.url(**params), json=body)
         except httpx.TransportError as exc:
-            raise RmmServerError(0, f"cannot reach the rmm server at {self._http.base_url}: {exc}", "unreachable") from exc
-        return _check(response)
+            raise _unreachable(self._http.base_url, exc) from exc
+        _check(response)
+        return route.parse(response.content)
 
-    async def health(self) -> dict[str, Any]:
-        return await self._call("GET", "/health")
+    async def health(self) -> Health:
+        return await self._call("health")
 
     async def users(self) -> list[str]:
-        return (await self._call("GET", "/v1/users"))["users"]
+        return (await self._call("users")).users
 
-    async def add_memories(self, user: str, memories: list[str | dict[str, Any]]) -> list[str]:
-        return (await self._call("POST", f"/v1/users/{_path(user)}/memories",
-                                 {"memories": [_memory_json(m) for m in memories]}))["ids"]
+    async def add_memories(self, user: str, memories: Memories) -> list[str]:
+        return (await self._call("add_memories", {"memories": [_memory_json(m) for m in memories]}, user=user)).ids
 
     async def memories(self, user: str) -> list[MemoryInfo]:
-        return _memories(await self._call("GET", f"/v1/users/{_path(user)}/memories"))
+        return (await self._call("memories", user=user)).memories
 
     async def delete_memory(self, user: str, memory_id: str) -> int:
-        return (await self._call("DELETE", f"/v1/users/{_path(user)}/memories/{_path(memory_id)}"))["selections_dropped"]
+        return (await self._call("delete_memory", user=user, memory_id=memory_id)).selections_dropped
 
     async def delete_user(self, user: str) -> DeleteUserResult:
-        return DeleteUserResult(**await self._call("DELETE", f"/v1/users/{_path(user)}"))
+        return await self._call("delete_user", user=user)
 
-    async def add_turns(self, user: str, turns: list[tuple[str, str] | dict[str, Any]]) -> list[str]:
-        return (await self._call("POST", f"/v1/users/{_path(user)}/turns",
-                                 {"turns": [_turn_json(t) for t in turns]}))["turn_ids"]
+    async def add_turns(self, user: str, turns: Turns) -> list[str]:
+        return (await self._call("add_turns", {"turns": [_turn_json(t) for t in turns]}, user=user)).turn_ids
 
     async def end_session(self, user: str, *, speakers: list[str] | None = None, store_turns: bool = False) -> JobInfo:
-        return _job(await self._call("POST", f"/v1/users/{_path(user)}/sessions/end",
-                                     {"speakers": speakers, "store_turns": store_turns}))
+        return await self._call("end_session", {"speakers": speakers, "store_turns": store_turns}, user=user)
 
-    async def add_session(self, user: str, turns: list[tuple[str, str] | dict[str, Any]], *,
-                          session_id: str | None = None, time: str | None = None, speakers: list[str] | None = None,
-                          store_turns: bool = False) -> JobInfo:
-        return _job(await self._call("POST", f"/v1/users/{_path(user)}/sessions", {
-            "turns": [_turn_json(t) for t in turns], "session_id": session_id, "time": time, "speakers": speakers,
-            "store_turns": store_turns}))
+    async def add_session(self, user: str, turns: Turns, *, session_id: str | None = None, time: str | None = None,
+                          speakers: list[str] | None = None, store_turns: bool = False) -> JobInfo:
+        return await self._call("add_session", _session_json(turns, session_id, time, speakers, store_turns),
+                                user=user)
 
     async def job(self, job_id: str) -> JobInfo:
-        return _job(await self._call("GET", f"/v1/jobs/{_path(job_id)}"))
+        return await self._call("job", job_id=job_id)
 
     async def wait_job(self, job_id: str, timeout: float = 120.0, poll: float = 0.1) -> JobInfo:
         deadline = asyncio.get_running_loop().time() + timeout
@@ -357,8 +366,8 @@ class AsyncRmmClient:
                 raise TimeoutError(f"job {job_id} still {info.status} after {timeout} s")
             await asyncio.sleep(poll)
 
-    async def retrieve(self, queries: list[Query | dict[str, Any]]) -> list[Retrieval]:
-        return _retrievals(await self._call("POST", "/v1/retrieve", {"queries": [_query_json(q) for q in queries]}))
+    async def retrieve(self, queries: Queries) -> list[Retrieval]:
+        return (await self._call("retrieve", {"queries": [_query_json(q) for q in queries]})).results
 
     async def retrieve_one(self, user: str, query: str, **options: Any) -> Retrieval:
         (result,) = await self.retrieve([Query(user, query, **options)])
@@ -366,8 +375,7 @@ class AsyncRmmClient:
 
     async def feedback(self, selection_id: str, *, cited: list[int] | None = None, text: str | None = None,
                        no_cite: bool = False, structured: bool = False) -> Feedback:
-        return Feedback(**await self._call("POST", "/v1/feedback",
-                                           _feedback_json(selection_id, cited, text, no_cite, structured)))
+        return await self._call("feedback", _feedback_json(selection_id, cited, text, no_cite, structured))
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -1,7 +1,8 @@
 """The server's settings: one dataclass tree, read from YAML, overridable from the command line.
 
 Every value is checked when the config is built (reading and typing are `rmm.config`'s, shared by
-every command; the ranges are here), so a typo in `serve.yaml` stops the server at start-up with a
+every command; the ranges are the fields' pydantic constraints here, the rules spanning several fields
+`ServeConfig.validate`), so a typo in `serve.yaml` stops the server at start-up with a
 message naming the key, never as a confusing failure under load. API keys may
 live in the YAML, in an environment variable or in a key file, so that secrets need not sit in a
 file that is committed next to the rest of the configuration.
@@ -16,7 +17,9 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from rmm import config as _config
 from rmm.errors import ConfigError
@@ -40,6 +43,12 @@ _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _MIN_KEY_LENGTH = 8
 # `retriever:` → the rmm.memory.hybrid fusion over the bank (None: the bank's own dense search)
 RETRIEVER_FUSIONS: dict[str, Fusion | None] = {"dense": None, **OVER_DENSE}
+# Ranges are the fields' types: pydantic checks them as `load_config` builds the config, and its error
+# names the key and the bound ("limits.max_k must be >= 1, got 0 (in serve.yaml)"). What spans
+# several fields is `ServeConfig.validate`'s.
+_AtLeastOne = Annotated[int, Field(ge=1)]
+_AboveZero = Annotated[float, Field(gt=0)]
+_NotNegative = Annotated[float, Field(ge=0)]
 
 
 @dataclass
@@ -47,14 +56,8 @@ class BatchingConfig:
     """Dynamic micro-batching of retrieve queries (coalesced across concurrent requests)."""
 
     enabled: bool = True
-    max_batch: int = 64  # queries per batched call
-    max_wait_ms: float = 5.0  # how long the first query of a batch may wait for company
-
-    def validate(self) -> None:
-        if self.max_batch < 1:
-            raise ConfigError(f"batching.max_batch must be >= 1, got {self.max_batch}")
-        if self.max_wait_ms < 0:
-            raise ConfigError(f"batching.max_wait_ms must be >= 0, got {self.max_wait_ms}")
+    max_batch: _AtLeastOne = 64  # queries per batched call
+    max_wait_ms: _NotNegative = 5.0  # how long the first query of a batch may wait for company
 
 
 @dataclass
@@ -113,16 +116,11 @@ class AuthConfig:
 
 @dataclass
 class LimitsConfig:
-    max_request_bytes: int = 1 << 20
-    max_queries: int = 256  # queries per retrieve request
-    max_memories: int = 1000  # memories or turns per write request
-    max_k: int = 200
-    max_text_chars: int = 20_000
-
-    def validate(self) -> None:
-        for name in ("max_request_bytes", "max_queries", "max_memories", "max_k", "max_text_chars"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"limits.{name} must be >= 1, got {getattr(self, name)}")
+    max_request_bytes: _AtLeastOne = 1 << 20
+    max_queries: _AtLeastOne = 256  # queries per retrieve request
+    max_memories: _AtLeastOne = 1000  # memories or turns per write request
+    max_k: _AtLeastOne = 200
+    max_text_chars: _AtLeastOne = 20_000
 
 
 @dataclass
@@ -132,21 +130,23 @@ class ServeConfig:
     bank: str = ""
     store: str = ""  # "": memories in the bank folder (SQLite); postgresql://…: in that database (pgvector)
     host: str = "127.0.0.1"
-    port: int = 8080
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
     encoder: str = "minilm"
     index_backend: str = "torch"
-    # float32 | bfloat16 | float16 | int8 | int4 (the last two CPU only): what the torch index scans (a shortlist
-    # is re-scored in float32)
+    # float32 | bfloat16 | float16 | int8 | int4 (the last two CPU only) | auto: what the torch index scans (a
+    # shortlist is re-scored in float32); measured at the first search (rmm.memory.scan_choice): auto scans the
+    # fastest, a precision slower than float32 here scans float32
     index_precision: str = "float32"
     device: str = "auto"
-    torch_threads: int | None = None  # intra-op CPU threads (None: torch's default, one per core)
-    query_precision: str = "auto"  # auto | float32 | int8 | int8-onnx: the query encoder's linears (rmm.encoders.query.precision)
+    torch_threads: _AtLeastOne | None = None  # intra-op CPU threads (None: torch's default, one per core)
+    # auto (the fastest engine measured here: rmm.encoders.query.choice) | one of QUERY_ENGINES (obeyed)
+    query_precision: str = "auto"
     # auto | on | off: queries encoded in a child process (rmm.encoders.query.process); auto = on when the
     # server loads its encoder itself (`encoder:`) onto the CPU
-    query_process: str = "auto"
-    k: int = 20
-    m: int = 5
-    tau: float | None = None  # None: the recipe's (see `recipe`)
+    query_process: Literal["auto", "on", "off"] = "auto"
+    k: _AtLeastOne = 20
+    m: _AtLeastOne = 5  # at most k
+    tau: _AboveZero | None = None  # None: the recipe's (see `recipe`)
     recipe: str = "auto"  # learner hyper-parameters: auto | paper | normalized (rmm.policy.learner.RECIPES)
     explore: bool = True
     scope: Literal["topk", "bank"] = "topk"
@@ -166,14 +166,14 @@ class ServeConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
-    selection_ttl_s: float = 3600.0
-    checkpoint_interval_s: float = 300.0
+    selection_ttl_s: _AboveZero = 3600.0
+    checkpoint_interval_s: _NotNegative = 300.0  # 0: only on shutdown
     # with a postgresql:// store: how often a replica that is not the learner loads newer reranker
     # versions (the bound on how stale its ranking is; at most 2 s)
-    reload_interval_s: float = 1.0
+    reload_interval_s: Annotated[float, Field(gt=0, le=2.0)] = 1.0
     # with a postgresql:// store: how long a replica holds a claimed reflection job before another
     # may take it over (renewed every third of it while the job runs)
-    job_lease_s: float = 60.0
+    job_lease_s: _AboveZero = 60.0
     # with a postgresql:// store: the database's search and pool settings (rmm.memory.bank.DATABASE_OPTIONS:
     # exact_limit, ef_search, pool_min, pool_max, pool_timeout_s; PostgresStore's defaults when absent)
     database: dict[str, Any] = field(default_factory=dict)
@@ -188,6 +188,7 @@ class ServeConfig:
         return RETRIEVER_FUSIONS[self.retriever]
 
     def validate(self) -> ServeConfig:
+        """The rules that span fields (a field's own range is its type's, checked by `load_config`)."""
         if not self.bank:
             raise ConfigError("bank: a bank folder is required (rmm serve --bank PATH, or `bank:` in the config)")
         if self.store:
@@ -195,41 +196,19 @@ class ServeConfig:
 
             if not is_database_url(self.store):
                 raise ConfigError(f"store must be a postgresql:// URL (or empty for the bank folder), got {self.store!r}")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ConfigError(f"torch_threads must be >= 1 or null, got {self.torch_threads}")
         if self.query_precision not in QUERY_PRECISIONS:
             raise ConfigError(f"query_precision must be one of {list(QUERY_PRECISIONS)}, got {self.query_precision!r}")
-        if self.query_process not in ("auto", "on", "off"):
-            raise ConfigError(f"query_process must be auto, on or off, got {self.query_process!r}")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in 0..65535, got {self.port}")
-        if self.k < 1 or self.m < 1 or self.m > self.k:
+        if self.m > self.k:
             raise ConfigError(f"need 1 <= m <= k, got k={self.k}, m={self.m}")
-        if self.tau is not None and not self.tau > 0:
-            raise ConfigError(f"tau must be > 0, got {self.tau}")
-        if self.scope not in ("topk", "bank"):
-            raise ConfigError(f"scope must be 'topk' or 'bank', got {self.scope!r}")
         if self.scope == "bank" and self.retriever == "bm25":
             raise ConfigError("scope: bank searches the whole bank with the learned query vector, which "
                               "retriever: bm25 (a text ranking) cannot use: pick scope: topk or retriever: dense|hybrid")
-        if type(self.candidate_features) is not bool:
-            raise ConfigError(f"candidate_features must be true or false, got {self.candidate_features!r}")
-        if self.reranker_per not in ("bank", "tenant", "user"):
-            raise ConfigError(f"reranker_per must be 'bank', 'tenant' or 'user', got {self.reranker_per!r}")
-        if self.selection_ttl_s <= 0:
-            raise ConfigError(f"selection_ttl_s must be > 0, got {self.selection_ttl_s}")
-        if self.checkpoint_interval_s < 0:
-            raise ConfigError(f"checkpoint_interval_s must be >= 0 (0 = only on shutdown), got {self.checkpoint_interval_s}")
-        if not 0 < self.reload_interval_s <= 2.0:
-            raise ConfigError(f"reload_interval_s must be in (0, 2] seconds, got {self.reload_interval_s}")
-        if not self.job_lease_s > 0:
-            raise ConfigError(f"job_lease_s must be > 0, got {self.job_lease_s}")
-        from rmm.memory.index import BACKENDS, CPU_PRECISIONS, PRECISIONS
+        from rmm.memory.index import BACKENDS, CPU_PRECISIONS, INDEX_PRECISIONS
 
         if self.index_backend not in BACKENDS:
             raise ConfigError(f"index_backend {self.index_backend!r} is not one of {list(BACKENDS)}")
-        if self.index_precision not in PRECISIONS:
-            raise ConfigError(f"index_precision {self.index_precision!r} is not one of {list(PRECISIONS)}")
+        if self.index_precision not in INDEX_PRECISIONS:
+            raise ConfigError(f"index_precision {self.index_precision!r} is not one of {list(INDEX_PRECISIONS)}")
         if self.index_precision != "float32" and (self.index_backend != "torch" or self.store):
             raise ConfigError(f"index_precision {self.index_precision!r} is for the torch index of a bank folder "
                               f"(index_backend is {self.index_backend!r}{', store is a database' if self.store else ''})")
@@ -254,8 +233,6 @@ class ServeConfig:
                 raise ConfigError(f"database: unknown key(s) {unknown}; known: {list(DATABASE_OPTIONS)}")
         if self.k > self.limits.max_k:
             raise ConfigError(f"k={self.k} exceeds limits.max_k={self.limits.max_k}")
-        self.batching.validate()
-        self.limits.validate()
         self.learner_config()  # raises ConfigError on a bad learner section
         return self
 

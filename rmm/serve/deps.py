@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, Security, status
+from fastapi import Depends, HTTPException, Path, Request, Security, status
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from rmm.serve.batcher import MicroBatcher
@@ -25,14 +25,18 @@ from rmm.serve.config import LimitsConfig
 from rmm.serve.errors import InvalidApiKeyError, MissingApiKeyError
 from rmm.serve.metrics import Metrics
 from rmm.serve.records import RetrieveItem, RetrieveResult, WriteItem
+from rmm.serve.schemas import API_PREFIX, ID_PATTERN, USER_PATTERN
 from rmm.serve.service import RetrievalService
 
-__all__ = ["API_PREFIX", "Limits", "RequestLimits", "Retrievals", "Service", "Telemetry", "Tenant", "Writes",
-           "api_key", "tenant_of"]
+__all__ = ["API_PREFIX", "IdPath", "Limits", "RequestLimits", "Retrievals", "Service", "Telemetry", "Tenant",
+           "UserPath", "Writes", "api_key", "tenant_of"]
 
-# Every route under it needs an API key (`rmm.serve.gate`). Routers carry it themselves (not as an
-# `include_router` prefix) so that a matched route's `path` is the whole template metrics report.
-API_PREFIX = "/v1"
+# Every route under API_PREFIX (defined with the schemas, which the client shares) needs an API key
+# (`rmm.serve.gate`). Routers carry it themselves (not as an `include_router` prefix) so that a
+# matched route's `path` is the whole template metrics report. The path parameters are declared here,
+# not in the schemas, so that the client's import of the schemas loads no FastAPI.
+UserPath = Annotated[str, Path(pattern=USER_PATTERN, description="a user id of your tenant")]
+IdPath = Annotated[str, Path(pattern=ID_PATTERN, description="an id (1-256 characters)")]
 
 
 class RequestLimits:

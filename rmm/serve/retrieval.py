@@ -114,22 +114,22 @@ class BatchRetriever:
         found: dict[int, Candidates] = {}
         for user_id, positions in by_user.items():
             q = torch.stack([query_vec[i] for i in positions])
-            search_q = q
-            if self.config.scope == "bank":  # search the whole bank with the learned query q·A
+            search_q = None
+            if self.config.scope == "bank":  # the learned query q·A chooses from the whole bank (features stay q's)
                 with self.learners.lock:
                     reranker = self.learners.get(self._key(items[positions[0]])).reranker
                     search_q = reranker.transform_queries(q.to(self.bank.device)).cpu()
             k_max = max(items[i].k for i in positions)
             try:
-                rows = self.first_stage.search_embeddings(search_q, user_id, k_max, queries=[items[i].query for i in positions])
+                queries = [items[i].query for i in positions]
+                rows = self.first_stage.search_embeddings(q, user_id, k_max, queries=queries, search_with=search_q)
             except (UnknownUserError, UnknownMemoryError) as exc:  # deleted since the batch began
                 for i in positions:
                     results[i] = callers_error(exc, items[i].tenant, items[i].user)
                 continue
-            for i, row, vec in zip(positions, rows, q):
+            for i, row in zip(positions, rows):
                 k = items[i].k
-                found[i] = dataclasses.replace(candidate_subset(row, range(min(k, len(row)))),
-                                               query_embedding=vec, user_id=user_id)
+                found[i] = dataclasses.replace(candidate_subset(row, range(min(k, len(row)))), user_id=user_id)
         return found
 
     def _select(self, items: list[RetrieveItem], candidates: dict[int, Candidates]) -> dict[int, tuple[Selection, str]]:
@@ -162,13 +162,29 @@ class BatchRetriever:
         memories: dict[str, dict[str, Memory]] = {}
         for user_id, ids in by_user.items():
             try:
-                memories[user_id] = {m.id: m for m in self.bank.get(user_id, sorted(ids))} if ids else {}
-            except (UnknownUserError, UnknownMemoryError) as exc:  # deleted between search and now
+                memories[user_id] = self._present(user_id, sorted(ids))
+            except UnknownUserError as exc:  # the user was deleted between search and now
                 for i, (selection, _) in list(selections.items()):
                     if selection.candidates.user_id == user_id:
                         results[i] = callers_error(exc, items[i].tenant, items[i].user)
                         del selections[i]
         return memories
+
+    def _present(self, user_id: str, ids: list[str]) -> dict[str, Memory]:
+        """The rows of those of `ids` that still exist: a memory deleted since the search is left
+        out (`_answer` drops it), not an error of a retrieve that never named it."""
+        if not ids:
+            return {}
+        try:
+            return {m.id: m for m in self.bank.get(user_id, ids)}
+        except UnknownMemoryError:  # rare (a concurrent delete): find the survivors one by one
+            found: dict[str, Memory] = {}
+            for memory_id in ids:
+                try:
+                    found.update((m.id, m) for m in self.bank.get(user_id, [memory_id]))
+                except UnknownMemoryError:
+                    log.info("memory %s of %s was deleted during a retrieve; not shown", memory_id, user_id)
+            return found
 
     def _answer(self, items: list[RetrieveItem], selections: dict[int, tuple[Selection, str]],
                 results: Results) -> None:
@@ -179,6 +195,7 @@ class BatchRetriever:
         pending: list[PendingSelection] = []
         for i, (selection, key) in selections.items():
             item, c = items[i], selection.candidates
+            _drop_deleted(selection, memories[c.user_id])
             shown = []
             for j, idx in enumerate(selection.chosen):
                 row = memories[c.user_id][c.memory_ids[idx]]
@@ -203,3 +220,15 @@ class BatchRetriever:
             log.exception("could not persist %d selections", len(pending))
             for i in selections:
                 results[i] = exc
+
+
+def _drop_deleted(selection: Selection, present: dict[str, Memory]) -> None:
+    """Show the picks made before the first one whose memory was deleted since the search. A
+    prefix of a Gumbel top-M is itself the top-m of the same noise, so the stored selection's
+    log-probabilities stay exact and its feedback is still learned from."""
+    ids = selection.candidates.memory_ids
+    keep = next((n for n, idx in enumerate(selection.chosen) if ids[idx] not in present), len(selection.chosen))
+    if keep < len(selection.chosen):
+        selection.chosen = selection.chosen[:keep]
+        if selection.logp is not None:
+            selection.logp = selection.logp[:keep]

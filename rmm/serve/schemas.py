@@ -9,29 +9,35 @@ must say something is refused when it holds nothing but whitespace, control or f
 are bounded in size and lists in length, so no request can make the server store or echo an
 unbounded name. Answers that are exactly a service record (`ShownMemory`, `RetrieveResult`,
 `FeedbackResult` in `rmm.serve.records`) are not repeated here: FastAPI serves those dataclasses.
+
+The server and `rmm.serve.client` share these models, so the client cannot drift from the API:
+this module and everything it imports stay free of torch (an agent's process imports the client),
+which `tests/test_serve_schema_shared.py` checks.
 """
 
 from __future__ import annotations
 
 import re
 import unicodedata
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from rmm.serve.jobs import Job
 from rmm.serve.records import RetrieveResult
-from rmm.serve.tenants import unscoped, unscoped_text
+from rmm.serve.scoping import unscoped, unscoped_text
 from rmm.types import MEMORY_KINDS
 
+if TYPE_CHECKING:
+    from rmm.serve.jobs import Job
+
 __all__ = [
-    "AddMemoriesIn", "AddMemoriesOut", "AddSessionIn", "AddTurnsIn", "AddTurnsOut", "DeleteMemoryOut",
+    "API_PREFIX", "AddMemoriesIn", "AddMemoriesOut", "AddSessionIn", "AddTurnsIn", "AddTurnsOut", "DeleteMemoryOut",
     "DeleteUserOut", "EndSessionIn", "FeedbackIn", "HealthOut", "JobOut", "MemoriesOut", "MemoryIn", "MemoryOut",
-    "QueryIn", "RetrieveIn", "RetrieveOut", "TurnIn", "UserPath", "UsersOut",
+    "QueryIn", "RetrieveIn", "RetrieveOut", "TurnIn", "UsersOut",
 ]
 
+API_PREFIX = "/v1"  # every route below it needs an API key; the client builds its paths on it
 USER_PATTERN = r"^[^/\x00-\x1f]{1,256}$"
 MAX_ID_CHARS = 256  # memory, turn, session, selection and job ids, speakers, kinds, times
 MAX_LIST_ITEMS = 1000  # refs of a memory, speakers of a session
@@ -76,10 +82,8 @@ Name = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS), AfterValidat
 ShortText = Annotated[str, Field(max_length=MAX_ID_CHARS), AfterValidator(valid_unicode)]
 UserId = Annotated[str, Field(pattern=USER_PATTERN, description="a user id of your tenant (1-256 chars, no '/')"),
                    AfterValidator(valid_unicode)]
-UserPath = Annotated[str, Path(pattern=USER_PATTERN, description="a user id of your tenant")]
 # a memory or job id in a path: no NUL or other control character, at most 256 characters
 ID_PATTERN = r"^[^\x00-\x1f]{1,256}$"
-IdPath = Annotated[str, Path(pattern=ID_PATTERN, description="an id (1-256 characters)")]
 
 
 class _Strict(BaseModel):
@@ -193,6 +197,11 @@ class JobOut(BaseModel):
     finished_at: float | None
     result: dict[str, Any]
     error: str | None
+
+    @property
+    def finished(self) -> bool:
+        """The job will not change any more (done, failed or cancelled)."""
+        return self.status in ("done", "failed", "cancelled")
 
     @classmethod
     def of(cls, job: Job) -> JobOut:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from rmm.errors import UnknownMemoryError, UnknownUserError
 from rmm.memory.store import DuplicateMemoryError
 from rmm.serve.config import AuthConfig, key_digest
+from rmm.serve.scoping import scoped, unscoped, unscoped_id, unscoped_text  # pure names, torch-free
 
 __all__ = [
     "ApiKeys",
@@ -28,27 +29,6 @@ __all__ = [
     "unscoped_id",
     "unscoped_text",
 ]
-
-
-def scoped(tenant: str, user: str) -> str:
-    """The store's user id for a tenant's user (tenant names never contain ':')."""
-    return f"{tenant}:{user}"
-
-
-def unscoped(user_id: str) -> str:
-    """The user id as its tenant named it."""
-    return user_id.split(":", 1)[1]
-
-
-def unscoped_id(tenant: str, name: str) -> str:
-    """An id built from a scoped user id (`alpha:ana:live-…`) as the tenant sees it (`ana:live-…`)."""
-    prefix = scoped(tenant, "")
-    return name.removeprefix(prefix)
-
-
-def unscoped_text(tenant: str, text: str) -> str:
-    """A message with every scoped name of the tenant's written as the tenant's own."""
-    return text.replace(scoped(tenant, ""), "")
 
 
 def unknown_user(user: str) -> UnknownUserError:

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from rmm.serve.deps import API_PREFIX, Limits, Service, Telemetry, Tenant, Writes
+from rmm.serve.deps import API_PREFIX, IdPath, Limits, Service, Telemetry, Tenant, UserPath, Writes
 from rmm.serve.records import NewMemory, WriteItem
 from rmm.serve.schemas import (
     AddMemoriesIn,
     AddMemoriesOut,
     DeleteMemoryOut,
     DeleteUserOut,
-    IdPath,
     MemoriesOut,
     MemoryOut,
-    UserPath,
     UsersOut,
 )
 from rmm.types import MEMORY_KINDS

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from rmm.serve.deps import API_PREFIX, Limits, Service, Tenant
+from rmm.serve.deps import API_PREFIX, IdPath, Limits, Service, Tenant, UserPath
 from rmm.serve.schemas import (
     AddSessionIn,
     AddTurnsIn,
     AddTurnsOut,
     EndSessionIn,
-    IdPath,
     JobOut,
     TurnIn,
-    UserPath,
 )
 from rmm.types import Turn
 
