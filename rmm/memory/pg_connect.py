@@ -37,6 +37,7 @@ __all__ = [
     "DatabaseSetupError",
     "DatabaseUnavailableError",
     "PostgresLocation",
+    "RECONNECT_MAX_DELAY_S",
     "database_errors",
     "migrate",
     "open_pool",
@@ -55,6 +56,10 @@ _SETUP_LOCK_KEY = 0x726D6D5F7365  # "rmm_se": serialises schema set-up across pr
 _CONNECT_TIMEOUT_S = 10
 # The learner lease's keepalives (rmm/serve/learner_lease.py): a dead peer is noticed in ~11 s.
 _POOL_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
+# psycopg_pool retries a lost connection after 1, 2, 4, 8 … s (doubling until `reconnect_timeout`,
+# 300 s): after a 150 s outage `rmm serve` answered 503 for 110 s more (scripts/pg_outage.py), until
+# its next try. Capped, a returning server is reached within this many seconds (0.3 s measured).
+RECONNECT_MAX_DELAY_S = 2.0
 _MIGRATION_TABLE = "_yoyo_migration"
 _INSTALL_HINT = "install the PostgreSQL extras: pip install 'rmm[postgres]'"
 
@@ -297,9 +302,38 @@ def _privilege_message(location: PostgresLocation, exc: BaseException) -> str:
             f"{location.schema!r} in {location.display}: {reason}")
 
 
+@functools.cache
+def _capped_pool_class() -> type[ConnectionPool]:
+    """`ConnectionPool` whose reconnection back-off stops growing at `reconnect_max_delay_s`.
+
+    psycopg_pool has no setting for it: each lost connection is re-made by an `AddConnection`
+    task that the pool re-schedules (`schedule_task`) after its attempt's delay, doubled on every
+    failure. Capping that delay (and the attempt's own, so it doubles from the cap) keeps the
+    tries every few seconds however long the server was away; `reconnect_timeout` still ends them.
+    """
+    import random
+
+    from psycopg_pool import ConnectionPool
+
+    class CappedBackoffPool(ConnectionPool):  # type: ignore[type-arg]
+        def __init__(self, *args: Any, reconnect_max_delay_s: float, **kwargs: Any) -> None:
+            self.reconnect_max_delay_s = reconnect_max_delay_s
+            super().__init__(*args, **kwargs)
+
+        def schedule_task(self, task: Any, delay: float) -> None:
+            attempt = getattr(task, "attempt", None)  # only AddConnection carries a back-off
+            if attempt is not None and delay > self.reconnect_max_delay_s:
+                # jittered, so the pools of several replicas do not knock in step
+                delay = attempt.delay = self.reconnect_max_delay_s * random.uniform(0.8, 1.0)
+            super().schedule_task(task, delay)
+
+    return CappedBackoffPool
+
+
 def open_pool(location: PostgresLocation, options: str, *, min_size: int, max_size: int,
-              timeout_s: float) -> ConnectionPool:
-    """A psycopg pool whose connections know pgvector's types and are checked before each use."""
+              timeout_s: float, reconnect_max_delay_s: float = RECONNECT_MAX_DELAY_S) -> ConnectionPool:
+    """A psycopg pool whose connections know pgvector's types and are checked before each use, and
+    that retries a lost server at least every `reconnect_max_delay_s` (see `RECONNECT_MAX_DELAY_S`)."""
     try:
         from pgvector.psycopg import register_vector
         from psycopg_pool import ConnectionPool
@@ -316,9 +350,10 @@ def open_pool(location: PostgresLocation, options: str, *, min_size: int, max_si
                               **{k: v for k, v in _POOL_KEEPALIVE.items() if k not in location.params}}
     if "connect_timeout" not in location.params:
         kwargs["connect_timeout"] = _CONNECT_TIMEOUT_S
-    pool = ConnectionPool(location.conninfo, min_size=min_size, max_size=max_size, kwargs=kwargs,
-                          configure=configure, check=ConnectionPool.check_connection, timeout=timeout_s,
-                          name=f"rmm:{location.schema}", open=False)
+    pool = _capped_pool_class()(location.conninfo, min_size=min_size, max_size=max_size, kwargs=kwargs,
+                                configure=configure, check=ConnectionPool.check_connection, timeout=timeout_s,
+                                name=f"rmm:{location.schema}", open=False,
+                                reconnect_max_delay_s=reconnect_max_delay_s)
     with database_errors(location.display):
         pool.open(wait=True, timeout=timeout_s)
     return pool

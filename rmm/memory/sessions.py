@@ -33,6 +33,7 @@ class SessionLog:
         self._lock = threading.Lock()
         if str(path) != ":memory:":
             self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA secure_delete=ON")  # a cleared session's text is zeroed in the file
         self._conn.executescript(_SCHEMA)
 
     def current(self, user: str) -> Session:

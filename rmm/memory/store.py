@@ -183,6 +183,8 @@ class MemoryStore:
                     )
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=FULL")
+            # deleted rows are zeroed, not left in free pages: an erased user's text leaves the file
+            self._conn.execute("PRAGMA secure_delete=ON")
             if not tables:
                 with self._transaction() as cur:
                     # Another process may have created it between our check and BEGIN IMMEDIATE.

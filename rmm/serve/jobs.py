@@ -78,6 +78,10 @@ class Jobs(Protocol):
 
     def cancel_user(self, user_id: str) -> int: ...
 
+    def of_user(self, user_id: str) -> list[tuple[Job, dict[str, Any]]]: ...
+
+    def delete_user(self, user_id: str) -> int: ...
+
     def counts(self) -> dict[str, int]: ...
 
     def close(self, timeout: float = 60.0) -> None: ...
@@ -95,6 +99,7 @@ class JobQueue:
         self._conn = sqlite3.connect(str(self.path), timeout=30.0, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA secure_delete=ON")  # a deleted user's session text is zeroed, not left in free pages
         self._conn.executescript(_SCHEMA)
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -141,6 +146,23 @@ class JobQueue:
             return self._conn.execute(
                 "UPDATE jobs SET status='cancelled', finished_at=? WHERE user_id=? AND status='queued'",
                 (time.time(), user_id)).rowcount
+
+    def of_user(self, user_id: str) -> list[tuple[Job, dict[str, Any]]]:
+        """Every job of the user with its payload (the session it reflects), oldest first: what an
+        export of the user reads."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT id, tenant, user_id, kind, status, created_at, started_at, finished_at, result, error, payload "
+                "FROM jobs WHERE user_id=? ORDER BY created_at, rowid", (user_id,)).fetchall()
+        return [(Job(id=r[0], tenant=r[1], user_id=r[2], kind=r[3], status=r[4], created_at=r[5], started_at=r[6],
+                     finished_at=r[7], result=json.loads(r[8]) if r[8] else {}, error=r[9]), json.loads(r[10]))
+                for r in rows]
+
+    def delete_user(self, user_id: str) -> int:
+        """Delete every job row of the user (their payloads hold the sessions' turns): the user is
+        being erased. Call `cancel_user` first to count what was still queued."""
+        with self._lock:
+            return self._conn.execute("DELETE FROM jobs WHERE user_id=?", (user_id,)).rowcount
 
     def counts(self) -> dict[str, int]:
         with self._lock:

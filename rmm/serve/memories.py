@@ -95,14 +95,16 @@ class UserMemories:
         return 0
 
     def delete_user(self, tenant: str, user: str) -> dict[str, int]:
-        """Memories, index rows, pending selections, open session, queued jobs — and the user's
-        own reranker and its checkpoint when there is one per user."""
+        """Memories, index rows, selections and their feedback, open session, every job (queued
+        ones cancelled, all rows deleted: their payloads hold the sessions) — and the user's own
+        reranker and its checkpoint when there is one per user."""
         user_id = scoped(tenant, user)
         open_turns = len(self.sessions.current(user_id).turns)
         if not self.bank.store.has_user(user_id) and not open_turns:
             raise unknown_user(user)
         counts = {"memories": 0, "selections": 0, "session_turns": open_turns, "jobs_cancelled": 0}
         counts["jobs_cancelled"] = self.jobs.cancel_user(user_id)
+        self.jobs.delete_user(user_id)  # done ones too: their payloads hold the sessions' turns
         if self.bank.store.has_user(user_id):
             counts["memories"] = self.bank.store.count(user_id)
             with callers_terms(tenant, user):

@@ -128,6 +128,8 @@ class Selections(Protocol):
 
     def delete_user(self, user_id: str) -> int: ...
 
+    def of_user(self, user_id: str) -> list[dict[str, Any]]: ...
+
     def sweep(self, now: float | None = None) -> int: ...
 
     def unsaved_feedback(self) -> list[tuple[PendingSelection, dict[str, Any]]]: ...
@@ -137,6 +139,13 @@ class Selections(Protocol):
     def count_pending(self, now: float | None = None) -> int: ...
 
     def close(self) -> None: ...
+
+
+def selection_summary(selection_id: str, query: str, memory_ids: list[str], chosen: list[int], explore: bool,
+                      created_at: float, consumed_at: float | None, feedback: dict[str, Any] | None) -> dict[str, Any]:
+    """One selection of a user as `of_user` lists it (both stores)."""
+    return {"selection": selection_id, "query": query, "shown": [memory_ids[i] for i in chosen],
+            "explore": explore, "created_at": created_at, "rewarded_at": consumed_at, "feedback": feedback}
 
 
 def open_selections(location: str | Path, ttl_s: float) -> Selections:
@@ -162,6 +171,7 @@ class SelectionStore:
         self._conn = sqlite3.connect(str(self.path), timeout=30.0, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.execute("PRAGMA secure_delete=ON")  # a deleted user's queries are zeroed, not left in free pages
         self._conn.executescript(_SCHEMA)
         present = {row[1] for row in self._conn.execute("PRAGMA table_info(selections)")}
         for name, kind in _ADDED_COLUMNS.items():
@@ -257,6 +267,16 @@ class SelectionStore:
     def delete_user(self, user_id: str) -> int:
         with self._lock:
             return self._conn.execute("DELETE FROM selections WHERE user_id=?", (user_id,)).rowcount
+
+    def of_user(self, user_id: str) -> list[dict[str, Any]]:
+        """The user's selections as an export shows them (query, shown memory ids, the feedback
+        stored, times), oldest first; embeddings and scores stay out (they are derived state)."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT id, query, memory_ids, chosen, explore, created_at, consumed_at, feedback FROM selections "
+                "WHERE user_id=? ORDER BY created_at, rowid", (user_id,)).fetchall()
+        return [selection_summary(r[0], r[1], json.loads(r[2]), json.loads(r[3]), bool(r[4]), r[5], r[6],
+                                  None if r[7] is None else json.loads(r[7])) for r in rows]
 
     def unsaved_feedback(self) -> list[tuple[PendingSelection, dict[str, Any]]]:
         """The rewarded selections whose feedback no saved checkpoint holds yet, with the feedback

@@ -117,6 +117,18 @@ class PgJobQueue:
             return cur.execute("UPDATE jobs SET status = 'cancelled', finished_at = %s WHERE user_id = %s "
                                "AND status = 'queued'", (time.time(), user_id)).rowcount
 
+    def of_user(self, user_id: str) -> list[tuple[Job, dict[str, Any]]]:
+        """Every job of the user with its payload (the session it reflects), oldest first."""
+        with self.db.tx() as cur:
+            rows = cur.execute(f"SELECT {_JOB_COLUMNS}, payload FROM jobs WHERE user_id = %s ORDER BY created_at, id",
+                               (user_id,)).fetchall()
+        return [(_job(row[:-1]), dict(row[-1])) for row in rows]
+
+    def delete_user(self, user_id: str) -> int:
+        """Delete every job row of the user (their payloads hold the sessions' turns)."""
+        with self.db.tx() as cur:
+            return cur.execute("DELETE FROM jobs WHERE user_id = %s", (user_id,)).rowcount
+
     def counts(self) -> dict[str, int]:
         with self.db.tx() as cur:
             return {str(s): int(n) for s, n in cur.execute("SELECT status, count(*) FROM jobs GROUP BY status")}

@@ -132,6 +132,15 @@ class PgSelectionStore:
         with self.db.tx() as cur:
             return cur.execute("DELETE FROM selections WHERE user_id = %s", (user_id,)).rowcount
 
+    def of_user(self, user_id: str) -> list[dict[str, Any]]:
+        """The user's selections as an export shows them (the shape of `SelectionStore.of_user`)."""
+        with self.db.tx() as cur:
+            rows = cur.execute("SELECT id, query, memory_ids, chosen, explore, created_at, consumed_at, feedback "
+                               "FROM selections WHERE user_id = %s ORDER BY created_at, id", (user_id,)).fetchall()
+        return [{"selection": r[0], "query": r[1], "shown": [list(r[2])[i] for i in r[3]], "explore": bool(r[4]),
+                 "created_at": r[5], "rewarded_at": r[6], "feedback": None if r[7] is None else dict(r[7])}
+                for r in rows]
+
     def unsaved_feedback(self) -> list[tuple[PendingSelection, dict[str, Any]]]:
         """Nothing for a starting replica to replay itself: the learner-lock holder applies the
         feedback table's unapplied rows (`rmm.serve.learner_lease`), after a crash too."""

@@ -1,4 +1,4 @@
-"""A pending selection and its row codec, shared by both selection stores.
+"""A pending selection, its row codec and the checks on it, shared by both selection stores.
 
 `PendingSelection` is a `Selection` as it was sampled, plus who asked for it and until when.
 `selection_row` / `selection_from_row` write and read it in `SELECTION_COLUMNS` order for the
@@ -10,11 +10,17 @@ A row is decoded only when its feedback arrives (or the learner reads it), so a 
 does not match the shape its row states — K candidates × d, or K × F candidate features — is
 refused for that selection alone (`CorruptSelectionError`, in the transaction that claimed it:
 the row stays as it was) rather than surfacing as a reshape failure deep in an update.
+
+Both stores also refuse alike: a selection written without its candidate embeddings
+(`require_embeddings`), an id never issued or already purged (`unknown_selection`), and one already
+rewarded, expired or legacy at claim time (`refuse_unusable`). They live here, below both stores,
+so that `pending` (which opens either store) and `pg_pending` import them without a circle.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,18 +28,29 @@ from typing import Any
 import numpy as np
 import torch
 
-from rmm.serve.errors import CorruptSelectionError
+from rmm.serve.errors import (
+    CorruptSelectionError,
+    SelectionExpiredError,
+    SelectionUsedError,
+    UnknownSelectionError,
+)
 
 __all__ = [
     "SELECTION_COLUMNS",
     "SQLITE_FORMAT",
+    "EmbeddingsOf",
     "PendingSelection",
     "RowFormat",
     "check_features",
+    "refuse_unusable",
+    "require_embeddings",
     "selection_from_row",
     "selection_row",
     "tensor_blob",
+    "unknown_selection",
 ]
+
+EmbeddingsOf = Callable[[str, list[str]], torch.Tensor]  # (user_id, memory ids) -> [K, d]
 
 # A selection row's columns, in the order `selection_row` writes and `selection_from_row` reads
 # them — for both stores (SQLite in `pending`, PostgreSQL in `pg_pending`): a new field is added here once.
@@ -178,3 +195,39 @@ def selection_from_row(row: tuple[Any, ...], fmt: RowFormat = SQLITE_FORMAT) -> 
         version=None if row[17] is None else int(row[17]), mask=mask, lexical=_tensor(row[19]),
         features=features, feature_names=names or (),
     )
+
+
+def require_embeddings(selections: list[PendingSelection]) -> None:
+    """Refuse a selection stored without the candidate embeddings it was scored with: its update
+    would have to re-read them from the store, which may have changed since."""
+    for s in selections:
+        if s.embeddings is None:
+            raise ValueError(f"selection {s.id!r} has no candidate embeddings; its update would have to "
+                             "re-read them from the store")
+
+
+def unknown_selection(selection_id: str) -> UnknownSelectionError:
+    return UnknownSelectionError(
+        f"unknown selection id {selection_id!r}: never issued to this API key's tenant, or "
+        "purged (expired or rewarded more than one TTL ago, or its user was deleted)"
+    )
+
+
+def refuse_unusable(selection: PendingSelection, now: float, ttl_s: float) -> None:
+    """Raise when a selection can no longer be rewarded (already rewarded, expired, legacy row)."""
+    if selection.consumed_at is not None:
+        raise SelectionUsedError(
+            f"selection {selection.id!r} already received feedback at "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(selection.consumed_at))}; "
+            "each selection is rewarded once"
+        )
+    if selection.expires_at < now:
+        raise SelectionExpiredError(
+            f"selection {selection.id!r} expired {now - selection.expires_at:.1f} s ago (selections "
+            f"wait {ttl_s:g} s for feedback; raise selection_ttl_s to allow slower feedback)"
+        )
+    if selection.embeddings is None:  # written by an older rmm after this store was opened
+        raise SelectionExpiredError(
+            f"selection {selection.id!r} was written without its candidate embeddings (an older rmm); "
+            "it cannot be learned from faithfully — retrieve again"
+        )

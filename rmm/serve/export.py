@@ -1,0 +1,208 @@
+"""One user's stored data out of a bank and back in: `export_user`, `import_user`.
+
+An export is a folder: `data.jsonl` in rmm's dataset format (`rmm.data.jsonl`,
+docs/dataset-format.md) — the user, every session handed to reflection (the reflection jobs'
+payloads are where a finished session's turns are kept) and the open session with their turns,
+every memory, every selection with the feedback it received — plus, when rerankers are per user,
+`reranker/` (the user's checkpoint) and `manifest.json` (what, when, from where, counts, and a
+SHA-256 per file). It is what a user asking "what do you hold about me?" gets, and what moves a
+user between banks (`Memory.import_user`). Used by `rmm.embedded.Memory` and `rmm data export`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rmm import __version__
+from rmm.data.jsonl import FORMAT_VERSION, read_jsonl, write_jsonl
+from rmm.errors import DataError
+from rmm.policy.checkpoint import checkpoint_exists, pack_checkpoint, unpack_checkpoint
+from rmm.serve.tenants import callers_terms, scoped, unknown_user, unscoped_id
+from rmm.types import Memory, Session, Turn
+
+if TYPE_CHECKING:
+    from rmm.serve.service import RetrievalService
+
+__all__ = ["EXPORT_DATA", "EXPORT_MANIFEST", "EXPORT_RERANKER", "export_user", "import_user"]
+
+log = logging.getLogger(__name__)
+
+EXPORT_DATA = "data.jsonl"
+EXPORT_MANIFEST = "manifest.json"
+EXPORT_RERANKER = "reranker"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _sessions(service: RetrievalService, tenant: str, user_id: str) -> tuple[list[Session], int]:
+    """The user's sessions in the order they were handed over: each reflection job's session, then
+    the open one; a session posted twice is listed once. Returns (sessions, repeats skipped)."""
+    sessions: list[Session] = []
+    seen_sessions: set[str] = set()
+    seen_turns: set[str] = set()
+    repeats = 0
+    raw_sessions = [payload["session"] for _, payload in service.jobs.of_user(user_id) if payload.get("session")]
+    current = service.sessions.current(user_id)
+    if current.turns:
+        raw_sessions.append({"id": unscoped_id(tenant, current.id), "time": current.time,
+                             "turns": [{"id": unscoped_id(tenant, t.id), "speaker": t.speaker, "text": t.text,
+                                        "time": t.time} for t in current.turns]})
+    for raw in raw_sessions:
+        if raw["id"] in seen_sessions:
+            repeats += 1
+            continue
+        seen_sessions.add(raw["id"])
+        turns = []
+        for t in raw["turns"]:
+            if t["id"] in seen_turns:
+                repeats += 1
+                continue
+            seen_turns.add(t["id"])
+            turns.append(Turn(id=t["id"], session_id=raw["id"], speaker=t["speaker"], text=t["text"], time=t.get("time")))
+        sessions.append(Session(id=raw["id"], user_id=user_id, turns=turns, time=raw.get("time")))
+    return sessions, repeats
+
+
+def _records(user: str, sessions: list[Session], memories: list[Memory],
+             selections: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = [{"type": "dataset", "format": FORMAT_VERSION, "name": f"export of {user}"},
+                                     {"type": "user", "id": user}]
+    for session in sessions:
+        records.append({"type": "session", "id": session.id, "user": user, "time": session.time})
+        records += [{"type": "turn", "id": t.id, "session": session.id, "speaker": t.speaker, "text": t.text,
+                     "time": t.time} for t in session.turns]
+    records += [{"type": "memory", "id": m.id, "user": user, "kind": m.kind, "text": m.text, "refs": list(m.refs),
+                 "source_text": m.source_text, "created_at": m.created_at, "updated_at": m.updated_at,
+                 "merged_from": list(m.merged_from), "time_span": None if m.time_span is None else list(m.time_span)}
+                for m in memories]
+    for s in selections:
+        given = s["feedback"] or {}
+        records.append({"type": "feedback", "selection": s["selection"], "user": user, "query": s["query"],
+                        "shown": s["shown"], "explore": s["explore"], "created_at": s["created_at"],
+                        "rewarded_at": s["rewarded_at"], "cited": given.get("cited"),
+                        "no_cite": bool(given.get("no_cite", False)), "rewards": given.get("rewards"),
+                        "learned": bool(given.get("learned", False)), "reason": given.get("reason")})
+    return records
+
+
+def export_user(service: RetrievalService, tenant: str, user: str, out: Path) -> dict[str, Any]:
+    """Write the export folder `out` (new or empty); returns the manifest. UnknownUserError when
+    nothing at all is stored for the user."""
+    out = out.expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"export folder {out} exists and is not empty; give a new folder")
+    user_id = scoped(tenant, user)
+    has_memories = service.bank.store.has_user(user_id)
+    with callers_terms(tenant, user):
+        memories = service.bank.memories(user_id) if has_memories else []
+    sessions, repeats = _sessions(service, tenant, user_id)
+    selections = service.selections.of_user(user_id)
+    if not (memories or sessions or selections):
+        raise unknown_user(user)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / EXPORT_DATA
+    count = write_jsonl(_records(user, sessions, memories, selections), data)
+    read_jsonl(data)  # the export reads back in the format it claims (raises JsonlDataError otherwise)
+    files = {EXPORT_DATA: _sha256(data)}
+    reranker = _export_reranker(service, user_id, out / EXPORT_RERANKER)
+    if reranker:
+        files.update({str(p.relative_to(out)): _sha256(p) for p in sorted((out / EXPORT_RERANKER).rglob("*"))
+                      if p.is_file()})
+    kinds: dict[str, int] = {}
+    for memory in memories:
+        kinds[memory.kind] = kinds.get(memory.kind, 0) + 1
+    manifest = {
+        "format": FORMAT_VERSION, "user": user, "tenant": tenant, "rmm_version": __version__,
+        "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "store": "postgresql" if service.config.store else "sqlite", "encoder": service.config.encoder,
+        "reranker_per": service.config.reranker_per, "reranker": EXPORT_RERANKER if reranker else None,
+        "counts": {"records": count, "sessions": len(sessions), "turns": sum(len(s.turns) for s in sessions),
+                   "memories": len(memories), "memory_kinds": kinds, "selections": len(selections),
+                   "feedback": sum(1 for s in selections if s["feedback"] is not None),
+                   "repeated_sessions_or_turns_skipped": repeats},
+        "files": files,
+        "not_exported": "pending selections' candidate embeddings and scores (derived from the memories); "
+                        + ("" if service.config.reranker_per == "user" else
+                           f"the reranker (shared per {service.config.reranker_per}, not the user's own)"),
+    }
+    (out / EXPORT_MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return manifest
+
+
+def _export_reranker(service: RetrievalService, user_id: str, target: Path) -> bool:
+    """The user's own reranker checkpoint into `target` (rerankers per user only); False if none."""
+    if service.config.reranker_per != "user":
+        return False
+    learners = service.learners
+    if learners.versions is not None:
+        stored = learners.versions.read(user_id)
+        if stored is None:
+            return False
+        unpack_checkpoint(stored[1], target)
+        return True
+    path = learners.path(user_id)
+    if path is None or not checkpoint_exists(path):
+        return False
+    shutil.copytree(path, target)
+    return True
+
+
+def import_user(service: RetrievalService, tenant: str, path: Path, *, user: str | None = None,
+                reflect: bool = False) -> dict[str, int]:
+    """Restore an export (folder, or its data file) as `user`; returns what was restored."""
+    path = path.expanduser()
+    folder, data = (path, path / EXPORT_DATA) if path.is_dir() else (path.parent, path)
+    content = read_jsonl(data)
+    users = content.dataset.users
+    if len(users) != 1:
+        raise DataError(f"{data} holds {len(users)} users; an export holds one (import datasets with rmm data import)")
+    source = users[0]
+    target = user or source
+    user_id = scoped(tenant, target)
+    memories = [Memory(id=m["id"], user_id=user_id, kind=m["kind"], text=m["text"], refs=list(m.get("refs", [])),
+                       source_text=m.get("source_text", ""), created_at=m.get("created_at", time.time()),
+                       updated_at=m.get("updated_at", time.time()), merged_from=list(m.get("merged_from", [])),
+                       time_span=None if m.get("time_span") is None else (m["time_span"][0], m["time_span"][1]))
+                for m in content.memories]
+    with callers_terms(tenant, target):
+        service.bank.add(user_id, memories)
+    restored = {"memories": len(memories), "sessions_reflected": 0, "reranker": 0}
+    if (folder / EXPORT_RERANKER).is_dir():
+        restored["reranker"] = int(_import_reranker(service, user_id, folder / EXPORT_RERANKER))
+    if reflect:
+        for session in content.dataset.sessions[source]:
+            service.add_session(tenant, target, session.turns, session_id=session.id, time_=session.time)
+            restored["sessions_reflected"] += 1
+    return restored
+
+
+def _import_reranker(service: RetrievalService, user_id: str, source: Path) -> bool:
+    if service.config.reranker_per != "user":
+        log.warning("%s holds a per-user reranker, but this bank's rerankers are per %s: not restored", source,
+                    service.config.reranker_per)
+        return False
+    learners = service.learners
+    if learners.versions is not None and service.db is not None:
+        version = learners.versions.latest().get(user_id, 0) + 1
+        with service.db.tx() as cur:
+            learners.versions.write(cur, user_id, version, pack_checkpoint(source))  # type: ignore[attr-defined]
+    else:
+        target = learners.path(user_id)
+        assert target is not None  # a bank folder keeps checkpoints on disk
+        shutil.rmtree(target, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(source, target)
+    learners.drop(user_id)  # the next retrieval loads the restored one
+    return True
