@@ -228,6 +228,39 @@ def test_the_database_allows_one_job_per_session_across_replicas(pg_url: str) ->
         two.close()
 
 
+def test_a_whole_session_posted_twice_queues_one_job_on_sqlite_too(tmp_path: Path) -> None:
+    """The SQLite queue enforces one job per session in the database, like PostgreSQL's migration
+    0005; a queue file an older rmm left with duplicates keeps the oldest job of each session."""
+    import sqlite3
+
+    from rmm.serve.jobs import JobQueue
+
+    payload = {"session": {"id": "sam:s1", "time": None, "turns": []}, "speakers": None, "store_turns": False}
+    path = tmp_path / "jobs.sqlite"
+    jobs = JobQueue(path, lambda job, p: {})
+    first, second = (jobs.submit("alpha", "alpha:sam", "reflect", payload) for _ in range(2))
+    assert first.id == second.id and jobs.counts() == {"queued": 1}
+    other = jobs.submit("alpha", "alpha:sam", "reflect", {**payload, "session": {"id": "sam:s2"}})
+    assert other.id != first.id and jobs.counts() == {"queued": 2}
+    jobs.cancel_user("alpha:sam")  # a cancelled job no longer holds its session
+    again = jobs.submit("alpha", "alpha:sam", "reflect", payload)
+    assert again.id not in (first.id, other.id)
+    jobs.close()
+    # a file written before the index existed, holding two jobs of one session
+    old = tmp_path / "old.sqlite"
+    with sqlite3.connect(old) as conn:
+        conn.executescript("CREATE TABLE jobs (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, user_id TEXT NOT NULL, "
+                           "kind TEXT NOT NULL, payload TEXT NOT NULL, status TEXT NOT NULL, created_at REAL NOT NULL, "
+                           "started_at REAL, finished_at REAL, result TEXT, error TEXT)")
+        for job_id, created in (("older", 1.0), ("newer", 2.0)):
+            conn.execute("INSERT INTO jobs VALUES (?, 'alpha', 'alpha:sam', 'reflect', ?, 'queued', ?, NULL, NULL, "
+                         "NULL, NULL)", (job_id, json.dumps(payload), created))
+    upgraded = JobQueue(old, lambda job, p: {})
+    assert upgraded.get("alpha", "older").status == "queued" and upgraded.get("alpha", "newer").status == "cancelled"
+    assert upgraded.submit("alpha", "alpha:sam", "reflect", payload).id == "older"
+    upgraded.close()
+
+
 # ---- 4. a memory deleted during a retrieve ------------------------------------------------------
 def test_a_memory_deleted_during_a_retrieve_is_dropped_not_an_error(client: TestClient) -> None:
     service = client.app.state.service

@@ -47,6 +47,20 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
 CREATE INDEX IF NOT EXISTS jobs_user ON jobs(user_id);
 """
+# One session, one reflection job, enforced by the database as on PostgreSQL (migration 0005): a
+# second job for a session (concurrent ends, a whole session posted again) conflicts on this index
+# and `submit` answers the job already there. Duplicates an older rmm left are cancelled first,
+# keeping the oldest job of each session; cancelled jobs (their user was deleted) do not count.
+_ONE_JOB_PER_SESSION = """
+UPDATE jobs SET status = 'cancelled', finished_at = coalesce(finished_at, CAST(strftime('%s', 'now') AS REAL)),
+                error = coalesce(error, 'duplicate of an older job of its session (one session, one job)')
+WHERE id IN (SELECT id FROM (
+    SELECT id, row_number() OVER (PARTITION BY user_id, json_extract(payload, '$.session.id')
+                                  ORDER BY created_at, rowid) AS n
+    FROM jobs WHERE kind = 'reflect' AND status <> 'cancelled') WHERE n > 1);
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_one_per_session ON jobs (user_id, json_extract(payload, '$.session.id'))
+    WHERE kind = 'reflect' AND status <> 'cancelled';
+"""
 
 
 @dataclass
@@ -87,6 +101,15 @@ class Jobs(Protocol):
     def close(self, timeout: float = 60.0) -> None: ...
 
 
+_COLUMNS = "id, tenant, user_id, kind, status, created_at, started_at, finished_at, result, error"
+
+
+def _row_job(row: tuple[Any, ...]) -> Job:
+    """A `Job` from a row of `_COLUMNS`."""
+    return Job(id=row[0], tenant=row[1], user_id=row[2], kind=row[3], status=row[4], created_at=row[5],
+               started_at=row[6], finished_at=row[7], result=json.loads(row[8]) if row[8] else {}, error=row[9])
+
+
 class JobQueue:
     """`submit` commits the job (synchronous=FULL: an acknowledged session is never lost) and
     wakes the worker; `handler(job, payload) -> result` does the work."""
@@ -101,6 +124,8 @@ class JobQueue:
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA secure_delete=ON")  # a deleted user's session text is zeroed, not left in free pages
         self._conn.executescript(_SCHEMA)
+        if not self._conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'jobs_one_per_session'").fetchone():
+            self._conn.executescript(f"BEGIN IMMEDIATE; {_ONE_JOB_PER_SESSION} COMMIT;")
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -120,25 +145,34 @@ class JobQueue:
         self._thread.start()
 
     def submit(self, tenant: str, user_id: str, kind: str, payload: dict[str, Any]) -> Job:
+        """Commit the job and wake the worker; a reflection job for a session that already has one
+        conflicts on `jobs_one_per_session` and the job already there is returned instead."""
         job = Job(id=uuid.uuid4().hex, tenant=tenant, user_id=user_id, kind=kind, status="queued",
                   created_at=time.time())
         with self._lock:
-            self._conn.execute(
-                "INSERT INTO jobs(id, tenant, user_id, kind, payload, status, created_at) VALUES (?,?,?,?,?,?,?)",
+            inserted = self._conn.execute(
+                "INSERT INTO jobs(id, tenant, user_id, kind, payload, status, created_at) VALUES (?,?,?,?,?,?,?) "
+                "ON CONFLICT DO NOTHING",
                 (job.id, tenant, user_id, kind, json.dumps(payload), job.status, job.created_at),
-            )
+            ).rowcount
+            if not inserted:
+                session_id = (payload.get("session") or {}).get("id")
+                row = self._conn.execute(
+                    f"SELECT {_COLUMNS} FROM jobs WHERE user_id=? AND kind=? AND status <> 'cancelled' "
+                    "AND json_extract(payload, '$.session.id') = ?", (user_id, kind, session_id)).fetchone()
+                if row is None:  # not the session index (a job id collision): nothing sound to answer
+                    raise RuntimeError(f"job {job.id} conflicts with an existing job")
+                log.info("session %r of %s already has job %s; not queued twice", session_id, user_id, row[0])
+                return _row_job(row)
         self._queue.put(job.id)
         return job
 
     def get(self, tenant: str, job_id: str) -> Job:
         with self._lock:
-            row = self._conn.execute(
-                "SELECT id, tenant, user_id, kind, status, created_at, started_at, finished_at, result, error "
-                "FROM jobs WHERE id=?", (job_id,)).fetchone()
+            row = self._conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id=?", (job_id,)).fetchone()
         if row is None or row[1] != tenant:
             raise UnknownJobError(f"unknown job id {job_id!r} for this API key's tenant")
-        return Job(id=row[0], tenant=row[1], user_id=row[2], kind=row[3], status=row[4], created_at=row[5],
-                   started_at=row[6], finished_at=row[7], result=json.loads(row[8]) if row[8] else {}, error=row[9])
+        return _row_job(row)
 
     def cancel_user(self, user_id: str) -> int:
         """Cancel the user's queued jobs (their user is being deleted)."""
@@ -151,12 +185,9 @@ class JobQueue:
         """Every job of the user with its payload (the session it reflects), oldest first: what an
         export of the user reads."""
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT id, tenant, user_id, kind, status, created_at, started_at, finished_at, result, error, payload "
-                "FROM jobs WHERE user_id=? ORDER BY created_at, rowid", (user_id,)).fetchall()
-        return [(Job(id=r[0], tenant=r[1], user_id=r[2], kind=r[3], status=r[4], created_at=r[5], started_at=r[6],
-                     finished_at=r[7], result=json.loads(r[8]) if r[8] else {}, error=r[9]), json.loads(r[10]))
-                for r in rows]
+            rows = self._conn.execute(f"SELECT {_COLUMNS}, payload FROM jobs WHERE user_id=? ORDER BY created_at, rowid",
+                                      (user_id,)).fetchall()
+        return [(_row_job(r[:-1]), json.loads(r[-1])) for r in rows]
 
     def delete_user(self, user_id: str) -> int:
         """Delete every job row of the user (their payloads hold the sessions' turns): the user is
