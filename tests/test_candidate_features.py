@@ -3,7 +3,6 @@ beside Eq. 1 and the lexical weight, learned from what was sampled, kept in chec
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from pathlib import Path
@@ -28,7 +27,6 @@ from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.optimizer import FEATURE_LR_SCALE, LEXICAL_LR_SCALE, param_groups
 from rmm.policy.registry import LearnerRegistry
 from rmm.policy.reranker import ResidualLinearReranker, candidate_subset, stack_features
-from rmm.policy.rewarded import rewarded
 from rmm.policy.sampling import plackett_luce_logp
 from rmm.types import Candidates, Memory
 
@@ -150,7 +148,6 @@ def test_zero_feature_weights_score_exactly_as_without_features() -> None:
     assert torch.equal(with_features(q, m, f, x), plain(q, m, f))
     assert torch.equal(with_features.policy_scores(q, m, f, x), plain.policy_scores(q, m, f))
     assert torch.equal(with_features.fast_scores(q, m, f, x), plain.fast_scores(q, m, f))
-    assert torch.equal(with_features.tapped_policy_scores(q, m, f, x)[0], plain.tapped_policy_scores(q, m, f)[0])
     cands = [featured(1), featured(2), featured(3, k=3)]
     for a, b in zip(with_features.select(cands, 2), plain.select(cands, 2)):
         assert a.chosen == b.chosen and torch.allclose(a.scores, b.scores, atol=1e-6)
@@ -160,8 +157,7 @@ def test_the_feature_term_is_features_times_weights_on_every_path() -> None:
     r = random_reranker()
     q, m, f, x = torch.randn(2, D), torch.randn(2, K, D), torch.rand(2, K), torch.rand(2, K, F)
     base = r(q, m, f)
-    for scores in (r(q, m, f, x), r.policy_scores(q, m, f, x), r.fast_scores(q, m, f, x),
-                   r.tapped_policy_scores(q, m, f, x)[0]):
+    for scores in (r(q, m, f, x), r.policy_scores(q, m, f, x), r.fast_scores(q, m, f, x)):
         assert torch.allclose(scores, base + x @ r.feature_weight.detach(), atol=1e-5)
     eq1 = random_reranker(features=False)
     assert torch.equal(eq1(q, m, f, x), eq1(q, m, f))  # a reranker without features ignores them
@@ -207,25 +203,6 @@ def test_candidates_with_other_feature_names_are_refused_naming_both() -> None:
 
 
 # ---- learning ------------------------------------------------------------------------------------------
-def test_the_hand_written_gradient_of_the_feature_weights_equals_autograd() -> None:
-    learner = Learner(random_reranker(), LearnerConfig(tau=0.5, batch_size=3, baseline="mean"))
-    g = torch.Generator().manual_seed(3)
-    sels = learner.select([featured(1), featured(2, k=3), featured(3)], 2, generator=g)
-    batch = [rewarded(s, torch.tensor(rw), D, 0.5, CANDIDATE_FEATURES)
-             for s, rw in zip(sels, ([1.0, -1.0], [-1.0, 1.0], [1.0, 1.0]))]
-    reference = copy.deepcopy(learner)
-    reference.loss(batch).backward()  # plain autograd to the parameters
-    taps: list = []
-    learner._clear_grads()
-    loss = learner.loss(batch, taps)
-    learner._backward(loss, taps[0])  # the update's path
-    r, ref = learner.reranker, reference.reranker
-    assert r.feature_weight.grad is not None and bool(r.feature_weight.grad.abs().sum() > 0)
-    for mine, theirs in ((r.feature_weight, ref.feature_weight), (r.lexical_weight, ref.lexical_weight),
-                         (r.W_q.weight, ref.W_q.weight), (r.W_m.weight, ref.W_m.weight)):
-        assert torch.allclose(mine.grad, theirs.grad, atol=1e-6, rtol=1e-5)
-
-
 def test_a_delayed_reward_learns_from_the_features_it_was_sampled_with() -> None:
     """Two selections sampled at version 0, one column of features each; the second is rewarded first.
     With SGD a weight moves only by its gradient: the late reward moves exactly its own sample's column."""

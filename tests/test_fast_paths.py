@@ -1,8 +1,7 @@
 """The per-turn fast paths equal the plain formulations they replace.
 
-- The learner's update writes the d×d gradients into kept buffers from the taps' gradients
-  (`Learner._backward`, `ResidualLinearReranker.weight_grads`) instead of autograd allocating them:
-  the same weights after many updates as `loss.backward()`.
+- The learner's loss (scored query-side through `policy_scores`, log π of the picks vectorised) has
+  the gradients of the REINFORCE objective written out from Eq. 1 and one pick at a time.
 - `plackett_luce_picks_logp`, the one Plackett–Luce log-probability (the kernels' reference and the
   learner), computes the M normalisers from one masked `[M, K]` block; the plain formulation is a
   loop over the picks.
@@ -12,13 +11,9 @@
   one-hot rows and a cumsum: the same values and gradients bit for bit, `complete=True` too.
 - `select` scores full candidate rows in place (`rerank_rows`) instead of gathering them through
   the dispatched reference: the same picks, scores, log μ and noise bit for bit.
-- `optimizer_step` calls fused Adam's kernel without `Optimizer.step`'s wrappers: the same weights
-  and states bit for bit.
 """
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -29,29 +24,14 @@ from rmm.kernels.reference import (
     rerank_rows,
 )
 from torch import Tensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import rmm.policy.learner as learner_module
-import rmm.policy.optimizer as optimizer_module
 import rmm.policy.reranker as reranker_module
 from rmm.policy.learner import Learner, LearnerConfig
-from rmm.policy.optimizer import OptimizerStepError, _direct_fused_adam, optimizer_step
-from rmm.policy.reranker import PolicyTaps, ResidualLinearReranker
-from rmm.policy.rewarded import RewardedSelection
+from rmm.policy.reranker import ResidualLinearReranker
 from rmm.types import Candidates, Selection
 
 D = 24
-
-
-class PlainBackwardLearner(Learner):
-    """The update as it was: scored through `policy_scores`, autograd allocates the weight gradients."""
-
-    def loss(self, batch: list[RewardedSelection], taps: list[PolicyTaps] | None = None) -> Tensor:
-        return super().loss(batch)  # no taps: scored through `policy_scores`
-
-    def _backward(self, loss: Tensor, tap: object) -> None:
-        assert tap is None
-        loss.backward()
 
 
 def _candidates(rng: torch.Generator, k: int, lexical: bool) -> Candidates:
@@ -61,45 +41,40 @@ def _candidates(rng: torch.Generator, k: int, lexical: bool) -> Candidates:
     return Candidates("q", [str(i) for i in range(k)], mem @ q, mem, q, lexical=lex)
 
 
-@pytest.mark.parametrize("lexical", [False, True])
-@pytest.mark.parametrize("estimator", ["plackett-luce", "paper"])
-def test_buffered_update_equals_autograd_update(lexical: bool, estimator: str) -> None:
-    config = LearnerConfig(batch_size=3, lr=0.05, estimator=estimator, max_grad_norm=0.5 if lexical else None)
-    fast = Learner(ResidualLinearReranker(D, lexical_feature=lexical), config)
-    plain = PlainBackwardLearner(ResidualLinearReranker(D, lexical_feature=lexical), config)
-    rng = torch.Generator().manual_seed(3)
-    losses = []
-    for turn in range(24):
-        k = 8 if turn % 5 else 6  # some batches padded to a common K
-        cand = _candidates(rng, k, lexical and turn % 3 != 0)
-        seed = int(torch.randint(0, 2**31, (), generator=rng))
-        sel_fast = fast.select([cand], 3, generator=torch.Generator().manual_seed(seed))[0]
-        sel_plain = plain.select([cand], 3, generator=torch.Generator().manual_seed(seed))[0]
-        assert sel_fast.chosen == sel_plain.chosen
-        rewards = torch.tensor([1.0, -1.0, -1.0]) if turn % 2 else torch.tensor([-1.0, 1.0, -1.0])
-        losses.append((fast.record(sel_fast, rewards), plain.record(sel_plain, rewards)))
-    assert fast.stats.step == plain.stats.step == 8
-    for got, expected in losses:
-        assert (got is None) == (expected is None) and (got is None or got == pytest.approx(expected, abs=1e-6))
-    for got, expected in zip(fast.reranker.parameters(), plain.reranker.parameters()):
-        assert got.abs().sum() > 0
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    for got, expected in zip(fast.optimizer.state.values(), plain.optimizer.state.values()):
-        torch.testing.assert_close(got["exp_avg"], expected["exp_avg"], rtol=1e-5, atol=1e-7)
-    assert all(p.grad is None for p in fast.reranker.parameters())
-
-
-def test_buffered_update_leaves_public_loss_untapped() -> None:
-    """`loss` outside an update differentiates to the parameters (callers use autograd.grad on it)."""
-    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=10))
+def test_public_loss_has_the_gradients_of_the_reinforce_objective_written_out() -> None:
+    """`loss` (what callers differentiate with autograd.grad, and the update's backward) against
+    `−mean_b ρ_b Σ_j (r_bj − b)·log π_bj` written from Eq. 1's `forward` + w·f and Plackett–Luce one pick
+    at a time: the same value and the same gradient of every parameter, over rows of K 6 and 8 (padded),
+    with and without the lexical feature, ρ < 1 for selections the moved weights now find less likely."""
+    config = LearnerConfig(batch_size=10, tau=0.5, baseline=0.5)
+    learner = Learner(_reranker_with_weights(D, True, seed=6), config)
+    sampler = ResidualLinearReranker(D, lexical_feature=True)  # μ: the weights before they moved
     rng = torch.Generator().manual_seed(0)
-    batch: list[RewardedSelection] = []
-    for _ in range(2):
-        sel = learner.select([_candidates(rng, 6, False)], 2, generator=rng)[0]
-        learner.record(sel, torch.tensor([1.0, -1.0]))
-    batch = list(learner._buffer)
-    grads = torch.autograd.grad(learner.loss(batch), list(learner.reranker.parameters()))
-    assert all(g.abs().sum() > 0 for g in grads)
+    records = []
+    for k, lexical in ((6, False), (8, True), (8, True)):
+        sel = sampler.select([_candidates(rng, k, lexical)], 3, tau=config.tau, explore=True, generator=rng)[0]
+        records.append((sel, torch.where(torch.rand(3, generator=rng) < 0.4, 1.0, -1.0)))
+        learner.record(*records[-1])
+    params = list(learner.reranker.parameters())
+    loss = learner.loss(list(learner._buffer))
+    grads = torch.autograd.grad(loss, params)
+    r = learner.reranker
+    terms, rhos = [], []
+    for sel, rewards in records:
+        c = sel.candidates
+        lexical = torch.zeros(1, len(c)) if c.lexical is None else c.lexical[None]
+        scores = r(c.query_embedding[None], c.embeddings[None], lexical)[0]
+        logp = naive_pl_logp(scores, torch.tensor(sel.chosen), config.tau)
+        rho = torch.exp(logp.detach().sum() - sel.logp.sum()).clamp(max=config.is_clip)
+        rhos.append(float(rho))
+        terms.append(rho * ((rewards - config.baseline) * logp).sum())
+    expected = -torch.stack(terms).mean()
+    expected_grads = torch.autograd.grad(expected, params)
+    assert min(rhos) < 0.9 and max(rhos) == pytest.approx(1.0)  # the correction acts on some rows
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, expected_grads):
+        assert want.abs().max() > 1e-4
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # ---- padded picks: -1 now, repeats of pick 0 before ----------------------------------------------
@@ -289,193 +264,6 @@ def test_rows_path_marks_picks_past_the_finite_keys_like_the_reference() -> None
         assert got.indices[0, 3:].tolist() == [-1, -1] and (got.indices[1] >= 0).all()
         assert torch.equal(got.indices, expected.indices) and torch.equal(got.logp, expected.logp)
         assert torch.equal(got.scores, expected.scores)
-
-
-# ---- the optimizer step ----------------------------------------------------------------------------
-def _two_groups(seed: int, fused: bool = True, sgd: bool = False, **adam: object
-                ) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
-    gen = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(D, D, generator=gen)) for _ in range(2)]
-    params.append(torch.nn.Parameter(torch.tensor(0.3)))
-    groups = [{"params": params[:2]}, {"params": params[2:], "lr": 1e-3}]
-    opt = torch.optim.SGD(groups, lr=3e-4) if sgd else torch.optim.Adam(groups, lr=3e-4, fused=fused, **adam)
-    return params, opt
-
-
-def _step_both(ours: list[torch.nn.Parameter], opt: torch.optim.Optimizer, theirs: list[torch.nn.Parameter],
-               ref: torch.optim.Optimizer, steps: int = 12) -> None:
-    """`optimizer_step(opt)` against `ref.step()` on the same gradients, one step without a gradient
-    for the scalar, one with large gradients."""
-    gen = torch.Generator().manual_seed(1)
-    for it in range(steps):
-        for a, b in zip(ours, theirs):
-            a.grad = torch.randn(a.shape, generator=gen) * (10.0 if it == 3 else 1.0)
-            b.grad = a.grad.clone()
-        if it == 5:
-            ours[2].grad = theirs[2].grad = None
-        optimizer_step(opt)
-        ref.step()
-
-
-def _assert_same(ours: list[torch.nn.Parameter], opt: torch.optim.Optimizer, theirs: list[torch.nn.Parameter],
-                 ref: torch.optim.Optimizer) -> None:
-    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
-    for mine, reference in zip(opt.state.values(), ref.state.values()):
-        assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
-
-
-@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
-def test_optimizer_step_is_step_bit_for_bit(weight_decay: float) -> None:
-    """`optimizer_step` (fused Adam's kernel called directly, L2 weight decay passed on) leaves the weights
-    and states `step()` does, including a step where one parameter has no gradient."""
-    (ours, opt), (theirs, ref) = (_two_groups(0, weight_decay=weight_decay) for _ in range(2))
-    calls = {"kernel": 0}
-    real = optimizer_module._fused_adam_kernel
-
-    def counting(*args: object) -> None:
-        calls["kernel"] += 1
-        real(*args)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(optimizer_module, "_fused_adam_kernel", counting)
-        _step_both(ours, opt, theirs, ref)
-    assert calls["kernel"] > 12  # the direct path ran, from the second step on (two groups each)
-    _assert_same(ours, opt, theirs, ref)
-    assert _direct_fused_adam(opt) is not None
-
-
-def _instance_step(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A `step` patched onto the instance, as LRScheduler and profiler/accelerate wrappers do."""
-    opt.calls = 0
-    plain = opt.step
-
-    def step(*args: object, **kwargs: object) -> object:
-        opt.calls += 1
-        return plain(*args, **kwargs)
-
-    opt.step = step
-    return opt
-
-
-_REFUSED = {
-    "foreach": lambda: _two_groups(0, fused=False)[1],
-    "sgd": lambda: _two_groups(0, sgd=True)[1],
-    "amsgrad": lambda: _two_groups(0, amsgrad=True)[1],
-    "maximize": lambda: _two_groups(0, maximize=True)[1],
-    "decoupled_weight_decay": lambda: _two_groups(0, decoupled_weight_decay=True, weight_decay=0.01)[1],
-    "tensor_lr": lambda: _set_group(_two_groups(0)[1], "lr", torch.tensor(3e-4)),
-    "capturable": lambda: _set_group(_two_groups(0)[1], "capturable", True),
-    "pre_hook": lambda: _hook(_two_groups(0)[1], "register_step_pre_hook"),
-    "post_hook": lambda: _hook(_two_groups(0)[1], "register_step_post_hook"),
-    "instance_step": lambda: _instance_step(_two_groups(0)[1]),
-}
-
-
-def _set_group(opt: torch.optim.Optimizer, flag: str, value: object) -> torch.optim.Optimizer:
-    for group in opt.param_groups:
-        group[flag] = value
-    return opt
-
-
-def _hook(opt: torch.optim.Optimizer, register: str) -> torch.optim.Optimizer:
-    opt.calls = 0
-
-    def count(*_: object) -> None:
-        opt.calls += 1
-
-    getattr(opt, register)(count)
-    return opt
-
-
-@pytest.mark.parametrize("kind", sorted(_REFUSED))
-def test_optimizer_step_refuses_the_direct_path_where_step_does_more(kind: str) -> None:
-    """Every variant the direct call would get wrong goes through `step()` (and a hook or an instance-level
-    `step` runs on every `optimizer_step`), once the states exist as well as before."""
-    opt = _REFUSED[kind]()
-    for p in (p for group in opt.param_groups for p in group["params"]):
-        p.grad = torch.ones_like(p)
-    for _ in range(3):
-        optimizer_step(opt)
-        assert _direct_fused_adam(opt) is None
-    assert all(opt.state[p] for group in opt.param_groups for p in group["params"]) or kind == "sgd"
-    if kind in ("pre_hook", "post_hook", "instance_step"):
-        assert opt.calls == 3
-
-
-def test_optimizer_step_refuses_the_direct_path_under_a_global_hook() -> None:
-    _, opt = _two_groups(0)
-    for p in (p for group in opt.param_groups for p in group["params"]):
-        p.grad = torch.ones_like(p)
-    optimizer_step(opt)
-    assert _direct_fused_adam(opt) is not None
-    handle = register_optimizer_step_post_hook(lambda *_: None)
-    try:
-        assert _direct_fused_adam(opt) is None
-    finally:
-        handle.remove()
-    assert _direct_fused_adam(opt) is not None
-
-
-def test_a_failing_direct_kernel_leaves_what_step_does(monkeypatch: pytest.MonkeyPatch,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
-    """The kernel called directly raises: its step count is put back, `step()` makes the step instead (the
-    same weights, states and counts bit for bit), and every later step goes through `step()`, logged once."""
-    monkeypatch.setattr(optimizer_module, "_direct_disabled", False)
-    calls = {"kernel": 0}
-
-    def broken(*_: object) -> None:
-        calls["kernel"] += 1
-        raise RuntimeError("no such kernel")
-
-    monkeypatch.setattr(optimizer_module, "_fused_adam_kernel", broken)
-    (ours, opt), (theirs, ref) = (_two_groups(0) for _ in range(2))
-    with caplog.at_level(logging.WARNING, logger=optimizer_module.__name__):
-        _step_both(ours, opt, theirs, ref)
-    assert calls["kernel"] == 1  # tried once (the second step: the first makes the states), then step()
-    assert optimizer_module._direct_disabled and len(caplog.records) == 1
-    _assert_same(ours, opt, theirs, ref)
-    assert [float(s["step"]) for s in opt.state.values()] == [12.0, 12.0, 11.0]
-
-
-def test_a_kernel_failing_after_the_first_group_raises_optimizer_step_error_and_still_bumps_versions(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Group 0 stepped, group 1's kernel refused: the part-applied step is a dedicated error (a learner
-    must stop, not set the feedback row aside) and every stepped weight's version counter moved."""
-    monkeypatch.setattr(optimizer_module, "_direct_disabled", False)
-    real = optimizer_module._fused_adam_kernel
-    calls = {"kernel": 0}
-
-    def fails_on_group_1(args: tuple, kwargs: dict) -> None:
-        calls["kernel"] += 1
-        if calls["kernel"] == 2:
-            raise RuntimeError("kernel refused group 1")
-        real(args, kwargs)
-
-    ours, opt = _two_groups(0)
-    for p in ours:
-        p.grad = torch.ones_like(p)
-    optimizer_step(opt)  # makes the states through step(): the next call goes direct
-    monkeypatch.setattr(optimizer_module, "_fused_adam_kernel", fails_on_group_1)
-    before = [p._version for p in ours]
-    with pytest.raises(OptimizerStepError, match="parameter group 1"):
-        optimizer_step(opt)
-    assert calls["kernel"] == 2
-    assert all(after > was for after, was in zip((p._version for p in ours), before))
-    assert issubclass(OptimizerStepError, RuntimeError)
-
-
-def test_optimizer_step_moves_the_version_counters_fused_adam_leaves() -> None:
-    """torch's fused Adam writes the weights without moving `_version`; `optimizer_step` moves it, so a
-    cache keyed on it (the reranker's folded query) sees every step."""
-    (ours, opt), (theirs, ref) = (_two_groups(0) for _ in range(2))
-    for a, b in zip(ours, theirs):
-        a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
-    before = [p._version for p in ours]
-    for _ in range(2):  # the first through step() (it makes the states), the second direct
-        ref.step()
-        optimizer_step(opt)
-    assert [p._version for p in theirs] == before  # why optimizer_step bumps them
-    assert all(after >= was + 2 for after, was in zip((p._version for p in ours), before))
 
 
 def test_rows_path_on_a_misaligned_or_strided_block_equals_the_gathered_reference(monkeypatch: pytest.MonkeyPatch) -> None:

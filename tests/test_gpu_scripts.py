@@ -3,6 +3,7 @@ random-weight paths of bench_encode / bench_pretrain on a tiny architecture, and
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -19,8 +20,10 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behav
 
 
 def gpu_check(*args: str) -> subprocess.CompletedProcess[str]:
+    """The script run with this interpreter (`PYTHON`), not whichever `python` PATH finds first: the tests'
+    virtual environment need not be activated (`.venv/bin/python -m pytest`)."""
     return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *args], capture_output=True, text=True,
-                          timeout=300, check=False)
+                          timeout=300, check=False, env={**os.environ, "PYTHON": sys.executable})
 
 
 def test_gpu_check_dry_run_lists_every_section_with_random_weights() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plackett_luce_helpers import naive_pl_logp
 
 import rmm.policy.learner as learner_module
 from rmm.errors import CheckpointError, DimensionMismatchError, EncoderMismatchError
@@ -94,7 +95,7 @@ def test_learning_raises_the_cited_rate_and_a_flipped_sign_lowers_it(estimator: 
 
     flipped = Learner(ResidualLinearReranker(D), config)
     original_loss = flipped.loss
-    flipped.loss = lambda batch, taps=None: -original_loss(batch, taps)  # type: ignore[method-assign]
+    flipped.loss = lambda batch: -original_loss(batch)  # type: ignore[method-assign]
     run_toy(flipped, 100)
     after_flipped = useful_rate(flipped.reranker, held_out, u)
 
@@ -175,14 +176,74 @@ def test_nonfinite_update_is_skipped_and_parameters_untouched(bad: float, caplog
     assert learner.stats.step == 1
 
 
-def test_ragged_batches_and_empty_selections_stay_finite() -> None:
-    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=3))
-    learner.record(selection(k=2, m=5), torch.tensor([1.0, -1.0]))
-    learner.record(selection(k=0, m=5), torch.tensor([]))
-    loss = learner.record(selection(k=20, m=5, seed=4), torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0]))
-    assert loss is not None and torch.isfinite(torch.tensor(loss))
-    assert learner.stats.skipped_nonfinite == 0
-    assert all(torch.isfinite(p).all() for p in learner.reranker.parameters())
+def test_a_ragged_batch_with_an_empty_selection_has_the_loss_of_its_records_one_by_one() -> None:
+    """Rows of K 2, 0 and 20 with M 2, 0 and 5 padded into one batch: the update's loss is
+    `−mean_b ρ_b Σ_j (r_bj − b)·log π_bj` written out per record (Eq. 1 scores, Plackett–Luce one pick
+    at a time, ρ = min(1, π/μ) against the zero reranker that sampled them), the empty row a zero term."""
+    reranker = ResidualLinearReranker(D)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():  # not the sampler's weights: ρ is not 1
+        for p in reranker.parameters():
+            p.add_(0.03 * torch.randn(p.shape, generator=g))
+    config = LearnerConfig(batch_size=3)
+    learner = Learner(reranker, config)
+    records = [(selection(k=2, m=5), torch.tensor([1.0, -1.0])), (selection(k=0, m=5), torch.tensor([])),
+               (selection(k=20, m=5, seed=4), torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0]))]
+    terms = []
+    with torch.no_grad():
+        for sel, rewards in records:
+            if not sel.chosen:
+                terms.append(torch.tensor(0.0))
+                continue
+            scores = reranker(sel.candidates.query_embedding[None], sel.candidates.embeddings[None])[0]
+            logp = naive_pl_logp(scores, torch.tensor(sel.chosen), config.tau)
+            rho = torch.exp(logp.sum() - sel.logp.sum()).clamp(max=config.is_clip)
+            terms.append(rho * ((rewards - config.baseline) * logp).sum())
+    expected = float(-torch.stack(terms).mean())
+    losses = [learner.record(sel, rewards) for sel, rewards in records]
+    assert losses[:2] == [None, None] and learner.stats.step == 1 and learner.stats.skipped_nonfinite == 0
+    assert losses[2] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert abs(expected) > 1e-3  # a loss that says something
+
+
+def test_a_batch_without_a_pick_steps_nothing_and_is_counted() -> None:
+    """Every record K = 0 or M = 0: the loss is a constant; an Adam step on its zero gradient would still
+    move the weights by the momentum of earlier steps and advance the step count. Skipped and counted."""
+    learner = Learner(ResidualLinearReranker(D), LearnerConfig(batch_size=2))
+    learner.record(selection(seed=1), torch.tensor([1.0, -1.0, -1.0]))
+    learner.record(selection(seed=2), torch.tensor([-1.0, 1.0, -1.0]))
+    assert learner.stats.step == 1  # a real update first: Adam has momentum
+    weights = [p.detach().clone() for p in learner.reranker.parameters()]
+    adam_steps = [float(s["step"]) for s in learner.optimizer.state.values()]
+    learner.record(selection(k=0, m=3), torch.tensor([]))
+    loss = learner.record(selection(k=5, m=0, seed=3), torch.tensor([]))
+    assert all(torch.equal(a, b) for a, b in zip(weights, learner.reranker.parameters()))
+    assert [float(s["step"]) for s in learner.optimizer.state.values()] == adam_steps
+    assert learner.stats.step == 1 and learner.version == learner.reranker.version == 1 and loss is None
+    assert learner.stats.skipped_no_gradient == 1 and learner.stats.updates == 2
+    assert learner.pending == 0 and all(p.grad is None for p in learner.reranker.parameters())
+    learner.record(selection(seed=4), torch.tensor([1.0, -1.0, -1.0]))  # a batch with a pick steps again
+    assert isinstance(learner.record(selection(k=0, m=3), torch.tensor([])), float)
+    assert learner.stats.step == 2 and learner.stats.skipped_no_gradient == 1
+
+
+def test_a_failing_optimizer_step_is_an_optimizer_step_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's Adam steps the reranker (fused on CPU); a step that raises may have stepped some parameter
+    groups and not others, so it surfaces as `OptimizerStepError` (the learner, not the feedback row, is
+    at fault: `rmm.serve.learner_lease` stops its round on it instead of setting the row aside)."""
+    from rmm.policy.optimizer import OptimizerStepError
+
+    learner = Learner(ResidualLinearReranker(D, lexical_feature=True), LearnerConfig(batch_size=1))
+    assert type(learner.optimizer) is torch.optim.Adam and learner.optimizer.defaults["fused"]
+    assert len(learner.optimizer.param_groups) == 2  # the matrices, and the lexical weight at its own lr
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("kernel refused")
+
+    monkeypatch.setattr(learner.optimizer, "step", broken)
+    with pytest.raises(OptimizerStepError, match="kernel refused"):
+        learner.record(selection(), torch.tensor([1.0, -1.0, -1.0]))
+    assert learner.stats.step == 0
 
 
 def test_sgd_with_clipping() -> None:

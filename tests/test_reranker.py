@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rmm.errors import DimensionMismatchError
-from rmm.policy.optimizer import make_optimizer, optimizer_step
+from rmm.policy.optimizer import make_optimizer
 from rmm.policy.recipes import LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
 from rmm.policy.sampling import plackett_luce_logp
@@ -79,26 +79,30 @@ def test_folded_cache_follows_weight_changes() -> None:
 
 
 def test_folded_cache_follows_a_fused_adam_step_outside_the_learner() -> None:
-    """torch's fused Adam writes the weights without moving `_version`; stepped through `optimizer_step`
-    (no `Learner.update`, so no `invalidate()`), the next select scores with the new weights. A fused
-    `step()` called directly needs `invalidate()`, as the cache's comment says."""
+    """torch's fused Adam writes the weights without moving `_version`; `make_optimizer`'s step post-hook
+    moves it, so after a plain `opt.step()` (no `Learner.update`, so no `invalidate()`) the next select
+    scores with the new weights. A fused Adam made elsewhere needs `invalidate()`, as the cache's comment
+    says."""
     reranker = ResidualLinearReranker(DIM, lexical_feature=True)
     opt = make_optimizer(reranker, LearnerConfig(lr=0.05))
-    assert opt.param_groups[0].get("fused")
+    assert type(opt) is torch.optim.Adam and opt.param_groups[0].get("fused")
     cands = [make_candidates(6, seed=s) for s in range(DIM)]  # DIM query rows: past DIM/2, the query folds
     reranker.select(cands, 3)
     assert reranker._folded is not None
-    for step in range(2):  # the first through step() (it makes Adam's states), the second direct
+    for step in range(2):
         for p in reranker.parameters():
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
-        optimizer_step(opt)
+        opt.step()
         for sel, c in zip(reranker.select(cands, 3), cands):
             plain = reranker(c.query_embedding[None], c.embeddings[None])[0].detach()
             torch.testing.assert_close(sel.scores, plain, rtol=1e-4, atol=1e-4)
         assert reranker._folded is not None  # refolded with the new weights, not dropped
+    own = torch.optim.Adam(reranker.parameters(), lr=0.05, fused=True)
+    versions = [p._version for p in reranker.parameters()]
     for p in reranker.parameters():
         p.grad = torch.ones_like(p)
-    opt.step()
+    own.step()
+    assert [p._version for p in reranker.parameters()] == versions  # why make_optimizer hooks the step
     reranker.invalidate()
     torch.testing.assert_close(reranker.select(cands[:1], 3)[0].scores,
                                reranker(cands[0].query_embedding[None], cands[0].embeddings[None])[0].detach(),
@@ -176,10 +180,22 @@ def test_select_refuses_bad_input() -> None:
         ResidualLinearReranker(0)
 
 
-def test_reranker_is_cheap_to_build_per_user() -> None:
-    rerankers = {f"user{i}": ResidualLinearReranker(DIM) for i in range(50)}
-    assert all(r.dim == DIM for r in rerankers.values())
-    assert sum(p.numel() for p in rerankers["user0"].parameters()) == 2 * DIM * DIM
+def test_a_per_user_reranker_holds_its_two_matrices_and_nothing_more_until_it_has_served() -> None:
+    """A server builds a reranker (and a learner) for every user it sees: until used, one holds its two
+    d×d weights only — no buffers, no folded `A` (one more d×d, built after d/2 query rows), no Adam
+    moments (two more per weight, made at the first step)."""
+    from rmm.policy.learner import Learner
+
+    reranker = ResidualLinearReranker(DIM)
+    held = [t for t in (*reranker.parameters(), *reranker.buffers())]
+    assert sum(t.numel() for t in held) == 2 * DIM * DIM and reranker._folded is None
+    learner = Learner(reranker, LearnerConfig(batch_size=2))
+    assert not learner.optimizer.state
+    for seed in range(DIM // 2 - 1):  # fewer query rows than folding takes
+        reranker.select([make_candidates(6, seed=seed)], 3)
+    assert reranker._folded is None
+    reranker.select([make_candidates(6, seed=DIM)], 3)
+    assert reranker._folded is not None and reranker._folded[1].shape == (DIM, DIM)
 
 
 def test_policy_scores_equal_forward_in_values_and_gradients() -> None:

@@ -119,15 +119,30 @@ def test_padding_picks_score_zero_and_leave_the_real_ones_as_the_naive_loop() ->
     assert literal[1, 2:].tolist() == [0.0, 0.0] and torch.isfinite(literal).all()
 
 
-def test_leading_batch_dims() -> None:
-    scores = torch.randn(2, 3, 7)
-    chosen, noise = gumbel_top_m(scores, 3, 0.5, generator=torch.Generator().manual_seed(0))
+def test_leading_batch_dims_give_each_row_what_it_gets_alone() -> None:
+    """A `[2, 3, K]` block (some candidates masked per row): every row's picks are the top-M of its own
+    perturbed logits, and its log-probabilities and top-M equal those of the row computed alone
+    (and the naive loop's)."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 3, 7, generator=gen) * 2
+    mask = torch.rand(2, 3, 7, generator=gen) > 0.3
+    mask[..., :3] = True  # at least M valid per row
+    tau = 0.5
+    chosen, noise = gumbel_top_m(scores, 3, tau, generator=torch.Generator().manual_seed(1), mask=mask)
     assert chosen.shape == (2, 3, 3) and noise.shape == (2, 3, 7)
-    assert plackett_luce_logp(scores, chosen, 0.5).shape == (2, 3, 3)
-    assert paper_literal_logp(scores, noise, chosen, 0.5).shape == (2, 3, 3)
-    assert top_m(scores, 2).shape == (2, 3, 2)
-    # distinct picks in every row
-    assert all(len(set(r)) == 3 for r in chosen.reshape(-1, 3).tolist())
+    logp = plackett_luce_logp(scores, chosen, tau, mask)
+    literal = paper_literal_logp(scores, noise, chosen, tau, mask)
+    best = top_m(scores, 2, mask=mask)
+    for i, j in itertools.product(range(2), range(3)):
+        s, n, c, k = scores[i, j], noise[i, j], chosen[i, j], mask[i, j]
+        perturbed = (s / tau + n).masked_fill(~k, float("-inf"))
+        assert c.tolist() == perturbed.topk(3).indices.tolist() and bool(k[c].all())
+        alone = plackett_luce_logp(s[None], c[None], tau, k[None])[0]
+        torch.testing.assert_close(logp[i, j], alone, rtol=0, atol=1e-6)
+        torch.testing.assert_close(logp[i, j], naive_pl_logp(s, c, tau, k), rtol=0, atol=1e-5)
+        written = torch.log_softmax(((s + n) / tau).masked_fill(~k, float("-inf")), -1)[c]
+        torch.testing.assert_close(literal[i, j], written, rtol=0, atol=1e-5)
+        assert best[i, j].tolist() == s.masked_fill(~k, float("-inf")).topk(2).indices.tolist()
 
 
 def test_mask_excludes_padding_and_logp_equals_unpadded() -> None:

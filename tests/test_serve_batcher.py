@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -267,26 +268,99 @@ def test_the_next_batch_prepares_while_this_one_finishes_in_order() -> None:
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
 
 
-def test_batch_seconds_count_each_batchs_own_work_not_the_wait_between_stages() -> None:
-    stages = Stages(prepare_delay=0.02, finish_delay=0.15)
+class ConductedStages:
+    """Two stages that block inside until the test's conductor releases them, under a fake clock the
+    conductor sets: which clock readings the batcher takes (around each stage, in its worker threads)
+    is decided by the script, not by how fast a loaded machine runs the threads."""
+
+    TIMEOUT_S = 20.0
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._cond = threading.Condition()
+        self.entered: set[tuple[str, int]] = set()
+        self.released: set[tuple[str, int]] = set()
+        self.reported: dict[tuple[str, int], float] = {}
+        self._current: dict[str, int] = {}
+
+    def perf_counter(self) -> float:
+        with self._cond:
+            return self.now
+
+    def _work(self, stage: str, items: list[int]) -> None:
+        with self._cond:
+            self._current[stage] = items[0]
+            self.entered.add((stage, items[0]))
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: (stage, items[0]) in self.released, self.TIMEOUT_S):
+                raise TimeoutError(f"{stage} of batch {items[0]} was never released")
+
+    def prepare(self, items: list[int]) -> list[int]:
+        self._work("prepare", items)
+        return [i * 10 for i in items]
+
+    def finish(self, items: list[int], prepared: list[int]) -> list[int]:
+        self._work("finish", items)
+        return [p + 1 for p in prepared]
+
+    def on_stage(self, stage: str, seconds: float) -> None:  # in the stage's worker thread, after its clock readings
+        with self._cond:
+            self.reported[(stage, self._current[stage])] = seconds
+            self._cond.notify_all()
+
+    def _await(self, what: str, keys: list[tuple[str, int]]) -> None:
+        container = self.entered if what == "entered" else self.reported
+        if not self._cond.wait_for(lambda: all(k in container for k in keys), self.TIMEOUT_S):
+            raise TimeoutError(f"never {what}: {[k for k in keys if k not in container]}")
+
+    def step(self, wait_entered: list[tuple[str, int]], now: float, release: tuple[str, int]) -> None:
+        """Once every stage in `wait_entered` is inside (its start read taken), set the clock to `now`,
+        release `release` and wait until it has reported (its end reads taken)."""
+        with self._cond:
+            self._await("entered", wait_entered)
+            self.now = now
+            self.released.add(release)
+            self._cond.notify_all()
+            self._await("reported", [release])
+
+
+def test_batch_seconds_count_each_batchs_own_work_not_the_wait_between_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three batches of 4; batch 2's first stage ends at t=4, but its second stage may start only when
+    batch 1's ends at t=19: the 15 s between are a wait, not its work. Each batch reports its own
+    prepare + finish (19, 19, 17), where counting from its prepare's start would give 19, 34, 32."""
+    import rmm.serve.batcher as batcher_module
+
+    stages = ConductedStages()
+    monkeypatch.setattr(batcher_module, "time", SimpleNamespace(perf_counter=stages.perf_counter))
     reported: list[float] = []
-    by_stage: dict[str, list[float]] = {"prepare": [], "finish": []}
 
     async def main() -> None:
         batcher = MicroBatcher(stages.finish, prepare=stages.prepare, max_batch=4, max_wait_ms=0,
-                               on_batch=lambda size, seconds: reported.append(seconds),
-                               on_stage=lambda stage, seconds: by_stage[stage].append(seconds))
+                               on_batch=lambda size, seconds: reported.append(seconds), on_stage=stages.on_stage)
         try:
             await batcher.submit_many(list(range(12)))
         finally:
             await batcher.close()
 
-    run(main())
-    # batches 2 and 3 were prepared long before batch 1's second stage let them in (0.15 s each):
-    # counted from their prepare's start they would report ~0.3 s
-    assert len(reported) == 3 and all(0.16 <= s < 0.25 for s in reported), reported
-    assert len(by_stage["prepare"]) == len(by_stage["finish"]) == 3
-    assert all(0.02 <= s < 0.1 for s in by_stage["prepare"]) and all(0.15 <= s < 0.23 for s in by_stage["finish"])
+    def conduct() -> None:
+        stages.step([("prepare", 0)], 2.0, ("prepare", 0))  # batch 1 prepares from 0 to 2
+        # batch 1 finishes from 2 while batch 2 prepares from 2 to 4 ...
+        stages.step([("finish", 0), ("prepare", 4)], 4.0, ("prepare", 4))
+        stages.step([], 19.0, ("finish", 0))  # ... and batch 1's finish ends at 19
+        stages.step([("finish", 4), ("prepare", 8)], 21.0, ("prepare", 8))  # batch 2 finishes from 19 ...
+        stages.step([], 36.0, ("finish", 4))  # ... to 36
+        stages.step([("finish", 8)], 51.0, ("finish", 8))  # batch 3 from 36 to 51
+
+    conductor = threading.Thread(target=conduct, name="conductor")
+    conductor.start()
+    try:
+        run(main())
+    finally:
+        conductor.join(ConductedStages.TIMEOUT_S)
+    assert not conductor.is_alive()
+    assert [stages.reported[("prepare", b)] for b in (0, 4, 8)] == [2.0, 2.0, 2.0]
+    assert [stages.reported[("finish", b)] for b in (0, 4, 8)] == [17.0, 17.0, 15.0]
+    assert reported == [19.0, 19.0, 17.0]
 
 
 @pytest.mark.parametrize(("items", "batches"), [

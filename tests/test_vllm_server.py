@@ -28,6 +28,7 @@ from rmm.llm.hf import convert_gguf
 from rmm.llm.openai import OpenAILLM
 from rmm.llm.vllm_server import start_vllm_server, stop_server
 from rmm.memory.bank import MemoryBank
+from rmm.prompts.render import is_example_answer
 from rmm.types import Memory
 
 pytestmark = pytest.mark.vllm
@@ -80,22 +81,44 @@ def bank(tmp_path: Path) -> Iterator[MemoryBank]:
 
 
 def test_structured_answers_are_schema_valid_json_whose_citations_parse(bank: MemoryBank, llm: OpenAILLM) -> None:
+    """The reply is the schema's object (json.loads, not the parser, reads it), and what the agent took
+    from it is what it says: the answer, the cited shown memories (in range, first occurrence of each),
+    and the rewards the learner got (+1 cited, −1 shown and not cited; none when nothing valid was cited)."""
     agent = Agent(bank, llm, k=4, m=3, structured=True, max_tokens=96)
     for question in ["What is my dog called?", "Where do I work?", "Which instrument do I play?"]:
         response = agent.respond("ana", question, remember=False)
         reply = json.loads(response.raw_text)  # constrained decoding: always the schema's object
         assert isinstance(reply["answer"], str) and all(isinstance(i, int) for i in reply["citations"])
-        assert response.feedback.citation.cited is not None or response.feedback.rewards is None
-        assert all(memory in response.shown for memory in response.cited)
+        assert len(response.shown) == 3
+        valid = [i for i in dict.fromkeys(reply["citations"]) if 0 <= i < len(response.shown)]
+        if is_example_answer(reply["answer"]):  # a copy of the prompt's worked example: citations ignored
+            expected = None
+        else:
+            expected = valid if valid or not reply["citations"] else None
+        assert response.feedback.citation.cited == expected, response.raw_text
+        assert response.answer == reply["answer"]
+        assert [m.id for m in response.cited] == [response.shown[i].id for i in expected or []]
+        assert response.feedback.rewards == (None if expected is None else
+                                             [1.0 if i in expected else -1.0 for i in range(len(response.shown))])
     assert llm.usage.calls == 3 and llm.usage.completion_tokens > 0
 
 
 def test_free_text_session_runs_through_respond_and_prospective_reflection(bank: MemoryBank,
                                                                            llm: OpenAILLM) -> None:
+    """Ending the session asks the server to extract (malformed output handled), and what it reports
+    touched is what the bank now holds: each touched memory stored with that text, every other memory
+    as it was, the bank grown by the touched memories that are new."""
     agent = Agent(bank, llm, k=4, m=2, max_tokens=96)
     response = agent.respond("ana", "I just started learning to paint watercolors on Sundays.")
     assert isinstance(response.answer, str) and len(response.shown) == 2
-    before = len(bank.memories("ana"))
+    before = {m.id: m.text for m in bank.memories("ana")}
+    calls = llm.usage.calls
     touched = agent.end_session("ana")  # extraction + update through the server; malformed output handled
-    assert len(bank.memories("ana")) >= before and all(m.user_id == "ana" for m in touched)
+    after = {m.id: m.text for m in bank.memories("ana")}
+    ids = {m.id for m in touched}
+    assert llm.usage.calls > calls  # the extraction went to the server
+    assert all(m.user_id == "ana" and after.get(m.id) == m.text for m in touched)
+    assert {i: t for i, t in after.items() if i not in ids} == {i: t for i, t in before.items() if i not in ids}
+    assert len(after) == len(before) + len(ids - before.keys())
+    assert agent.sessions.current("ana").turns == []
     agent.close()

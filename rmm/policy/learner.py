@@ -45,7 +45,7 @@ from rmm.policy.recipes import (
     recipe_config,
     recipe_for,
 )
-from rmm.policy.reranker import PolicyTaps, ResidualLinearReranker
+from rmm.policy.reranker import ResidualLinearReranker
 from rmm.policy.rewarded import RewardedSelection, rewarded, stack_rewarded
 from rmm.policy.sampling import paper_literal_logp, plackett_luce_logp
 from rmm.types import Candidates, Selection
@@ -66,8 +66,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LearnerStats:
-    """Counters. `updates` counts batches processed (applied or skipped as non-finite);
-    `step` counts optimizer steps actually applied (the weights version stamped on selections).
+    """Counters. `updates` counts batches processed (applied, or skipped as non-finite or as having no
+    gradient); `step` counts optimizer steps actually applied (the weights version stamped on selections).
+    `skipped_no_gradient` counts batches without a single pick (every record K = 0 or M = 0): their loss
+    is a constant, and an Adam step on its zero gradient would still move the weights by momentum.
 
     Off-policy diagnostics over the selections of applied and skipped updates alike:
     `importance_sum / importance_count` is the mean ρ, `importance_clipped` how often π/μ
@@ -79,6 +81,7 @@ class LearnerStats:
     updates: int = 0
     skipped_no_citation: int = 0
     skipped_nonfinite: int = 0
+    skipped_no_gradient: int = 0
     skipped_greedy: int = 0
     step: int = 0
     last_loss: float | None = None
@@ -131,7 +134,6 @@ class Learner:
         self.last_log_ratio: Tensor | None = None  # log π_θ/μ of each selection in the last `loss`
         self._last_rho: Tensor | None = None  # and its ρ, before any normalising (`_count` reuses it)
         self.optimizer = make_optimizer(self.reranker, self.config)
-        self._grad_buffers: tuple[Tensor, Tensor] | None = None  # W_q's and W_m's gradients (`_backward`)
         # The loaded checkpoint's lexical definition and the step it was loaded at: a save before any
         # update since keeps that label (the weights learned nothing of today's feature yet).
         self._loaded_definition: tuple[str, int] | None = None
@@ -173,8 +175,8 @@ class Learner:
         """Store one rewarded selection; update when the batch is full.
 
         Returns the loss of the update this record triggered, else None (also when the update
-        was skipped as non-finite). Counted and dropped, never an error: `rewards=None` (no
-        parseable citation; `stats.skipped_no_citation`) and a greedy selection
+        was skipped as non-finite or as having no pick to learn from). Counted and dropped, never an
+        error: `rewards=None` (no parseable citation; `stats.skipped_no_citation`) and a greedy selection
         (`explore=False`: it was not sampled, so there is no μ to correct with;
         `stats.skipped_greedy`, with a warning). The selection may be recorded long after it was
         made, after any number of updates: everything the update needs is in it.
@@ -225,25 +227,19 @@ class Learner:
             return float(self.config.baseline)
         return self.stats.reward_sum / self.stats.reward_count if self.stats.reward_count else 0.0
 
-    def loss(self, batch: list[RewardedSelection], taps: list[PolicyTaps] | None = None) -> Tensor:
+    def loss(self, batch: list[RewardedSelection]) -> Tensor:
         """`−mean_b ρ_b Σ_j w_bj·log π_bj`, log π recomputed with gradients under current weights.
 
         `w` is the configured credit (`rmm.policy.credit`), ρ = min(is_clip, π_θ/μ) the detached
         truncated importance ratio (1 with `importance=False`; divided by the batch's mean with
-        `is_normalize`); `last_log_ratio` keeps log π_θ/μ. With a `taps` list (the update passes
-        one) the scores go through `tapped_policy_scores` and its taps are appended, for
-        `_backward` to build the weights' gradients from; without, plain autograd to the parameters.
+        `is_normalize`); `last_log_ratio` keeps log π_θ/μ. Autograd carries it to the parameters.
         """
         self.last_log_ratio = None
         if not batch or max(p.memories.shape[0] for p in batch) == 0 or max(p.chosen.numel() for p in batch) == 0:
             return (self.reranker.W_q.weight.sum() + self.reranker.W_m.weight.sum()) * 0.0
         paper = self.config.estimator == "paper"
         t = stack_rewarded(batch, paper).to(self.device)
-        if taps is None:
-            scores = self.reranker.policy_scores(t.queries, t.memories, t.lexical, t.features)
-        else:
-            scores, tap = self.reranker.tapped_policy_scores(t.queries, t.memories, t.lexical, t.features)
-            taps.append(tap)
+        scores = self.reranker.policy_scores(t.queries, t.memories, t.lexical, t.features)
         logits = scores / t.taus.unsqueeze(-1)  # each selection at the τ it was sampled at
         if t.pick_valid is None and t.mask is None:  # no padding, no masks: real picks only (`rewarded` checks them)
             pl_logp = plackett_luce_logp(logits, t.chosen, 1.0, complete=True)
@@ -272,14 +268,15 @@ class Learner:
     def _update(self) -> float | None:
         batch, self._buffer = self._buffer, []
         self.stats.updates += 1
-        self._clear_grads()
-        taps: list[PolicyTaps] = []
-        loss = self.loss(batch, taps)
+        if not any(p.chosen.numel() for p in batch):  # every record K = 0 or M = 0: nothing to learn from
+            return self._skip_no_gradient(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(batch)
         self._count(batch)
         value = float(loss.detach())
         if not math.isfinite(value):
             return self._skip_nonfinite(f"loss is {value}")
-        self._backward(loss, taps[0] if taps else None)
+        loss.backward()
         grads = [p.grad for p in self.reranker.parameters() if p.grad is not None]
         # One reduction instead of an elementwise isfinite per d×d gradient: a sum is NaN/inf
         # whenever any element is (or when finite values overflow — worth skipping as well).
@@ -288,35 +285,12 @@ class Learner:
         if self.config.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.reranker.parameters(), self.config.max_grad_norm)
         optimizer_step(self.optimizer)
-        self._clear_grads()
+        self.optimizer.zero_grad(set_to_none=True)
         self.reranker.invalidate()
         self.stats.step += 1
         self.reranker.version = self.stats.step
         self.stats.last_loss = value
         return value
-
-    def _clear_grads(self) -> None:
-        """`optimizer.zero_grad(set_to_none=True)` without its profiler and dynamo wrappers (~60 µs a call)."""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-    def _backward(self, loss: Tensor, tap: PolicyTaps | None) -> None:
-        """`loss.backward()`, the two d×d gradients written into buffers kept between updates
-        (`weight_grads`; set as `.grad` until the step is over) instead of allocated afresh; the lexical
-        and feature weights' gradients straight from autograd (None where the batch has no such input)."""
-        if tap is None:  # an empty batch's loss does not go through the taps
-            loss.backward()
-            return
-        wq, wm = self.reranker.W_q.weight, self.reranker.W_m.weight
-        scalars = [w for w in (self.reranker.lexical_weight, self.reranker.feature_weight) if w is not None]
-        grads = torch.autograd.grad(loss, [tap.lin, tap.mmo, *scalars], allow_unused=True)
-        if self._grad_buffers is None or self._grad_buffers[0].device != wq.device:
-            self._grad_buffers = (torch.empty_like(wq), torch.empty_like(wm))
-        self.reranker.weight_grads(tap, grads[0], grads[1], *self._grad_buffers)
-        wq.grad, wm.grad = self._grad_buffers
-        for w, g in zip(scalars, grads[2:]):
-            w.grad = g
 
     def _count(self, batch: list[RewardedSelection]) -> None:
         self.stats.reward_sum += float(sum(p.rewards.sum() for p in batch))
@@ -335,9 +309,17 @@ class Learner:
         self.stats.staleness_count += len(stale)
 
     def _skip_nonfinite(self, why: str) -> None:
-        self._clear_grads()
+        self.optimizer.zero_grad(set_to_none=True)
         self.stats.skipped_nonfinite += 1
         log.warning("reranker update skipped (%s); parameters unchanged", why)
+
+    def _skip_no_gradient(self, batch: list[RewardedSelection]) -> None:
+        """A batch without a pick: no optimizer step (Adam's momentum would move the weights and its step
+        count would advance on a zero gradient); its selections still count in the off-policy stats."""
+        self.last_log_ratio = self._last_rho = None
+        self._count(batch)
+        self.stats.skipped_no_gradient += 1
+        log.info("reranker update skipped: no record in the batch of %d has a pick", len(batch))
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:

@@ -2,12 +2,11 @@
 
 Eq. 1's two d×d matrices step at the learner's lr; the lexical weight (one scalar) has its own
 group, so its rate can differ; with candidate features it joins their weights in a group at
-`FEATURE_LR_SCALE` × lr. Adam is the fused implementation where torch has one.
+`FEATURE_LR_SCALE` × lr. Adam is torch's, fused where torch has a kernel for the device.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -16,7 +15,8 @@ from torch.autograd.graph import increment_version
 from rmm.policy.recipes import LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
 
-__all__ = ["FEATURE_LR_SCALE", "LEXICAL_LR_SCALE", "OptimizerStepError", "make_optimizer", "optimizer_step", "param_groups"]
+__all__ = ["FEATURE_LR_SCALE", "LEXICAL_LR_SCALE", "OptimizerStepError", "make_optimizer", "optimizer_step",
+           "param_groups"]
 
 # The lexical weight's step relative to lr (`param_groups`). On LoCoMo's training conversations
 # (prequential recall@5 of rmm train --retriever hybrid) ×10 and ×30 learned w to 0.42–0.57 from a start
@@ -28,16 +28,11 @@ LEXICAL_LR_SCALE = 1.0
 # MSC limit 3000, all features at ×1 −0.3, at ×10 +1.3 R@5 (docs/results/s4/h3/design_note.md).
 FEATURE_LR_SCALE = 10.0
 
-log = logging.getLogger(__name__)
-
 
 class OptimizerStepError(RuntimeError):
-    """A step applied to some parameter groups and not others: the learner's state, not a feedback row,
-    is at fault, so a caller that sets bad rows aside (`rmm.serve.learner_lease`) must stop instead."""
-
-
-# Set once a direct call of fused Adam's kernel failed: this process steps through `step()` from then on.
-_direct_disabled = False
+    """`optimizer.step()` raised: some parameter groups may have stepped and others not, so the learner's
+    state, not a feedback row, is at fault, and a caller that sets bad rows aside
+    (`rmm.serve.learner_lease`) must stop instead."""
 
 
 def param_groups(reranker: ResidualLinearReranker, lr: float) -> list[dict[str, Any]]:
@@ -57,114 +52,43 @@ def param_groups(reranker: ResidualLinearReranker, lr: float) -> list[dict[str, 
 
 
 def make_optimizer(reranker: ResidualLinearReranker, config: LearnerConfig) -> torch.optim.Optimizer:
-    """Adam (fused where torch supports it: one pass over the d×d states, ~10× faster on CPU
-    at d=768 than the per-tensor loop) or plain SGD, over `param_groups` at `config.lr`."""
+    """`torch.optim.Adam` (fused where torch has a kernel for the parameters' device, else foreach) or
+    plain SGD, over `param_groups` at `config.lr`. Every step moves the stepped parameters' version
+    counters (`_bump_versions`, a step post-hook), whoever calls `step()`."""
     params = param_groups(reranker, config.lr)
+    optimizer: torch.optim.Optimizer
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr)
-    try:
-        return torch.optim.Adam(params, lr=config.lr, fused=True)
-    except (RuntimeError, ValueError, TypeError):  # a device without a fused kernel
-        return torch.optim.Adam(params, lr=config.lr)
+        optimizer = torch.optim.SGD(params, lr=config.lr)
+    else:
+        try:
+            optimizer = torch.optim.Adam(params, lr=config.lr, fused=True)
+        except (RuntimeError, ValueError, TypeError):  # a device without a fused kernel
+            optimizer = torch.optim.Adam(params, lr=config.lr, foreach=True)
+    optimizer.register_step_post_hook(_after_step)
+    return optimizer
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-    """`optimizer.step()`; for a plain fused Adam, its kernel called directly. Either way the stepped
-    parameters' version counters move afterwards (`_bump_versions`).
-
-    `Optimizer.step`'s wrappers (profiler range, hooks, dynamo guards, per-group bookkeeping) cost
-    about as much as the fused kernel itself on a small CPU update. With nothing they would act on —
-    no hooks, no grad scaler, no AMSGrad/maximize/capturable/differentiable/weight-decay variants, no
-    instance-level `step` override, every state made — this calls what `torch.optim.adam._fused_adam`
-    calls, in the same order, on the same arguments: the same weights and states, bit for bit.
-    Anything else goes through `step()`, and so does everything after the direct call once failed
-    (a torch without the private names it uses, or a kernel that refuses its arguments).
-    """
-    calls = None if _direct_disabled else _direct_fused_adam(optimizer)
+    """`optimizer.step()`; a failure is an `OptimizerStepError` (the groups before the failing one may have
+    stepped), after moving the version counters of whatever may have been written."""
     try:
-        if calls is None:
-            optimizer.step()
-        else:
-            _direct_step(optimizer, calls)
-    finally:  # a part-applied step too: a cache keyed on `_version` must not outlive weights that moved
+        optimizer.step()
+    except Exception as exc:
         _bump_versions(optimizer)
+        raise OptimizerStepError(f"optimizer step failed ({type(exc).__name__}: {exc}); "
+                                 "its parameter groups may be part-stepped") from exc
 
 
-def _direct_step(optimizer: torch.optim.Optimizer, calls: list[tuple[list, tuple, dict[str, Any]]]) -> None:
-    """The fused kernel per group. If the first group's call fails, its step counts (advanced before
-    the kernel, which writes nothing when it refuses its arguments) are put back, the failure is logged
-    once, and this step and every later one go through `step()`."""
-    global _direct_disabled
-    for i, (steps, args, kwargs) in enumerate(calls):
-        torch._foreach_add_(steps, 1)
-        try:
-            _fused_adam_kernel(args, kwargs)
-        except Exception as exc:
-            torch._foreach_sub_(steps, 1)  # whole numbers in float: the counts are what they were, exactly
-            _direct_disabled = True
-            log.warning("fused Adam's kernel called directly failed (%s: %s); optimizer.step() from now on",
-                        type(exc).__name__, exc)
-            if i:  # earlier groups already stepped: step() would step them twice
-                raise OptimizerStepError(f"fused Adam's kernel failed on parameter group {i} after stepping the "
-                                   "groups before it; the optimizer is part-stepped") from exc
-            optimizer.step()
-            return
-
-
-def _fused_adam_kernel(args: tuple, kwargs: dict[str, Any]) -> None:
-    """`torch._fused_adam_`, what `torch.optim.adam._fused_adam` calls (a seam tests make fail)."""
-    torch._fused_adam_(*args, **kwargs)
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The step post-hook `make_optimizer` registers (a module-level function: a learner deep-copies and
+    pickles with its optimizer)."""
+    _bump_versions(optimizer)
 
 
 def _bump_versions(optimizer: torch.optim.Optimizer) -> None:
     """Move the version counter of every parameter with a gradient: torch's fused Adam writes the weights
-    without it, and caches keyed on `_version` (the reranker's folded query) must see every step."""
+    without it (torch 2.13), and caches keyed on `_version` (the reranker's folded query) must see every
+    step."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if params:
         increment_version(params)
-
-
-def _direct_fused_adam(optimizer: torch.optim.Optimizer) -> list[tuple[list, tuple, dict[str, Any]]] | None:
-    """The fused kernel calls `optimizer.step()` would make, or None where it does more than those (or
-    where this torch lacks a name the direct call relies on)."""
-    if type(optimizer) is not torch.optim.Adam or "step" in vars(optimizer) or _hooked(optimizer) or \
-            not hasattr(torch, "_fused_adam_") or \
-            getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
-        return None  # an instance-level `step` (LRScheduler's patch, profiler/accelerate wrappers) must run
-    calls = []
-    for group in optimizer.param_groups:
-        if not group.get("fused") or group.get("amsgrad") or group.get("maximize") or group.get("capturable") \
-                or group.get("differentiable") or group.get("decoupled_weight_decay") \
-                or isinstance(group["lr"], torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"]):
-            return None
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            continue
-        states = [optimizer.state.get(p) for p in params]
-        if any(not s or "step" not in s for s in states) or \
-                len({(p.device, p.dtype) for p in params}) != 1 or any(p.is_complex() for p in params):
-            return None  # first step (states made by step()), or more than one device/dtype group
-        steps = [s["step"] for s in states]
-        args = (params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [], steps)
-        beta1, beta2 = group["betas"]
-        kwargs = {"amsgrad": False, "lr": group["lr"], "beta1": beta1, "beta2": beta2,
-                  "weight_decay": group["weight_decay"], "eps": group["eps"], "maximize": False,
-                  "grad_scale": None, "found_inf": None}
-        calls.append((steps, args, kwargs))
-    return calls
-
-
-_MISSING = object()
-
-
-def _hooked(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a step hook, the optimizer's own or a global one (`register_optimizer_step_*_hook`), is
-    registered — or this torch keeps them under names we do not know (then assume so)."""
-    from torch.optim import optimizer as module
-
-    hooks = (getattr(optimizer, "_optimizer_step_pre_hooks", _MISSING),
-             getattr(optimizer, "_optimizer_step_post_hooks", _MISSING),
-             getattr(module, "_global_optimizer_pre_hooks", _MISSING),
-             getattr(module, "_global_optimizer_post_hooks", _MISSING))
-    return any(h is _MISSING or bool(h) for h in hooks)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -61,7 +60,7 @@ from rmm.policy.stacking import (  # re-exported: where callers found them befor
 )
 from rmm.types import Candidates, Selection
 
-__all__ = ["LEXICAL_INIT", "PolicyTaps", "ResidualLinearReranker", "candidate_subset", "check_feature_names",
+__all__ = ["LEXICAL_INIT", "ResidualLinearReranker", "candidate_subset", "check_feature_names",
            "stack_candidates", "stack_features", "stack_lexical"]
 
 log = logging.getLogger(__name__)
@@ -130,16 +129,6 @@ def _allowed(candidates: Sequence[Candidates], padding: Tensor,
         if hits:
             allowed[row, hits] = False
     return allowed
-
-
-@dataclass
-class PolicyTaps:
-    """The intermediate products of `tapped_policy_scores` whose gradients give the weights'."""
-
-    queries: Tensor  # [B, d] the input queries
-    lin: Tensor  # [B, d] q W_qᵀ, a leaf requiring grad
-    q: Tensor  # [B, d] q' = q + q W_qᵀ
-    mmo: Tensor  # [B, d] q' W_m
 
 
 class ResidualLinearReranker(nn.Module):
@@ -220,31 +209,6 @@ class ResidualLinearReranker(nn.Module):
         u = q + q @ self.W_m.weight
         return self._plus_extensions((memories @ u.unsqueeze(-1)).squeeze(-1), lexical, features)
 
-    def tapped_policy_scores(self, queries: Tensor, memories: Tensor, lexical: Tensor | None = None,
-                             features: Tensor | None = None) -> tuple[Tensor, PolicyTaps]:
-        """`policy_scores` with the matrices detached and their two products exposed as taps.
-
-        Autograd on `policy_scores` allocates both d×d weight gradients afresh at every update;
-        with the taps' gradients (B×d each) `weight_grads` writes the same products into buffers
-        the caller keeps, which spares a memory-bound update the allocator's page faults.
-        """
-        wq, wm = self.W_q.weight.detach(), self.W_m.weight.detach()
-        lin = (queries @ wq.T).requires_grad_()  # = self.W_q(queries), a leaf
-        q = queries + lin
-        mmo = q @ wm  # = q @ self.W_m.weight
-        u = q + mmo
-        # the bmm that `memories @ u.unsqueeze(-1)` reaches through matmul's views, called directly: the same
-        # values and gradients, fewer ops and autograd nodes
-        scores = self._plus_extensions(torch.bmm(memories, u.unsqueeze(-1)).squeeze(-1), lexical, features)
-        return scores, PolicyTaps(queries=queries, lin=lin, q=q, mmo=mmo)
-
-    @staticmethod
-    def weight_grads(taps: PolicyTaps, grad_lin: Tensor, grad_mmo: Tensor, out_q: Tensor, out_m: Tensor) -> None:
-        """`∂L/∂W_q` and `∂L/∂W_m` from the taps' gradients, as autograd forms them (`gᵀx` for a
-        linear layer, `qᵀg` for `q @ W_m`), written into `out_q` and `out_m`."""
-        torch.mm(grad_lin.T, taps.queries, out=out_q)
-        torch.mm(taps.q.detach().T, grad_mmo, out=out_m)
-
     # ---- inference path ------------------------------------------------------------------
     def query_matrix(self) -> Tensor:
         """The folded transform `A = (I+W_q)ᵀ (I+W_m)`, so that `scores = (q @ A)·m`."""
@@ -254,8 +218,9 @@ class ResidualLinearReranker(nn.Module):
     def _cache_key(self, device: torch.device, dtype: torch.dtype) -> tuple:
         # `_version` moves with in-place writes through autograd-visible ops (load_state_dict's copy_,
         # SGD, foreach Adam) but not with torch's fused Adam kernel, which writes the weights without it:
-        # `rmm.policy.optimizer.optimizer_step` moves it after every step, and whoever steps a fused
-        # optimizer any other way calls `invalidate()` (as `Learner.update` does after each step).
+        # `rmm.policy.optimizer.make_optimizer`'s optimizers move it after every step (a step post-hook),
+        # and whoever steps a fused optimizer of their own calls `invalidate()` (as the learner does
+        # after each step regardless).
         # data_ptr catches `.data` being swapped for another tensor; a registry refresh or install,
         # and a checkpoint load, build a new reranker (an empty cache).
         wq, wm = self.W_q.weight, self.W_m.weight
@@ -263,7 +228,7 @@ class ResidualLinearReranker(nn.Module):
 
     def invalidate(self) -> None:
         """Drop the folded query transform: needed after writing the weights in place by any means that
-        leaves their `_version` alone (a fused optimizer's `step()` called directly; `optimizer_step`
+        leaves their `_version` alone (a fused optimizer not made by `make_optimizer`; its optimizers
         and `load_state_dict` need not). The learner calls it after each optimizer step regardless."""
         self._folded = None
         self._served = (None, 0)
