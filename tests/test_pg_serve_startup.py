@@ -51,14 +51,14 @@ def test_a_replica_migrates_once_and_holds_one_pool_of_the_configured_size(
         applied.append(location.schema)
         apply_migrations(location, options)
 
-    class CountedPool(psycopg_pool.ConnectionPool):
+    class CountedPool(pg_connect._capped_pool_class()):  # the pool class open_pool builds
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             pools.append(self)
 
     monkeypatch.setattr(pg_connect, "_up_to_date", counted_check)
     monkeypatch.setattr(pg_connect, "_apply_migrations", counted_apply)
-    monkeypatch.setattr(psycopg_pool, "ConnectionPool", CountedPool)
+    monkeypatch.setattr(pg_connect, "_capped_pool_class", lambda: CountedPool)
     schema = parse_location(fresh_url).schema
 
     replica = make_replica(tmp_path, fresh_url, "a", database={"pool_min": 1, "pool_max": 3, "ef_search": 120})
