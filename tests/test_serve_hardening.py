@@ -131,13 +131,14 @@ def test_nul_anywhere_is_refused_with_422_on_both_stores_and_sessions_still_end(
 class _Server:
     """The app under uvicorn on a free local port, in a thread (a real keep-alive connection)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **config: Any) -> None:
         import uvicorn
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical",
+                                                    **config))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:
@@ -184,6 +185,24 @@ def test_an_unexpected_error_answers_the_contracts_500_and_keeps_the_connection(
         # the next request on the same keep-alive connection is answered (the server closed it before)
         status, body = _exchange(sock, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status == 200, body
+
+
+def test_a_request_that_breaks_http_gets_the_contracts_json_too(tmp_path: Path) -> None:
+    """uvicorn answers an unparseable request before the app sees it; rmm serve's protocol class
+    (`rmm.serve.http_protocol`) makes that answer the contract's JSON."""
+    from rmm.serve.http_protocol import MALFORMED_CODE, json_error_protocol
+
+    request = b"POST /v1/users/ana/memories HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n"
+    with _Server(make_app(tmp_path, None), http=json_error_protocol()) as base, \
+            socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):  # the server closes the connection: the stream's framing is lost
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), head
+    answer = json.loads(body)
+    assert answer["code"] == MALFORMED_CODE and answer["detail"].startswith("malformed HTTP request: ")
 
 
 # ---- 3. one session, one job --------------------------------------------------------------------

@@ -96,8 +96,11 @@ def run(args: argparse.Namespace) -> int:
         key = secrets.token_urlsafe(24)
         config.auth.keys[key] = "default"
         log.warning("no API keys configured; this run accepts the generated key %s (tenant 'default')", key)
+    from rmm.serve.http_protocol import json_error_protocol
+
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                          timeout_graceful_shutdown=30, access_log=bool(args.verbose)))
+                                          timeout_graceful_shutdown=30, access_log=bool(args.verbose),
+                                          http=json_error_protocol()))  # unparseable requests: JSON 400s too
     server.run()
     return 0
