@@ -37,6 +37,10 @@ class CorruptFileError(RmmError):
     """A bank, index, checkpoint or dataset file that cannot be read as what it claims to be."""
 
 
+class PretrainedUsersError(RmmError, ValueError):
+    """Held-out figures asked for on users (conversations) the encoder was pretrained on."""
+
+
 class DataError(RmmError, ValueError):
     """A dataset file that is missing, malformed, or not in the expected schema."""
 

@@ -241,3 +241,13 @@ def test_concurrent_first_use_makes_one_learner_per_key(monkeypatch: pytest.Monk
     assert len(got) == 8
     assert sum(g is reg.get("k") for g in got) == 6  # every thread asking for "k" got the same learner
     assert len(made) == 3 and len(reg) == 3  # one reranker built per key, none thrown away
+
+
+def test_the_lexical_weight_starts_where_the_config_says() -> None:
+    """`lexical_init` is a learner setting (ablations set it per run, nothing patches a module constant)."""
+    from rmm.training.online import OnlineConfig
+
+    default = LearnerRegistry(4, LearnerConfig(lexical_feature=True)).get(SHARED).reranker
+    assert float(default.lexical_weight) == pytest.approx(LEXICAL_INIT)
+    chosen = LearnerRegistry(4, OnlineConfig(lexical_init=1.5).learner_config()).get(SHARED).reranker
+    assert float(chosen.lexical_weight) == pytest.approx(1.5)

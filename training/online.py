@@ -54,7 +54,7 @@ from rmm.training.generation import GenerationStats, Reply, citer_kind, in_proce
 from rmm.training.online_plot import plot
 from rmm.training.online_report import OnlineReport, build_report, headline, headline_questions
 from rmm.training.online_state import STATE_VERSION, Done, atomic_write_json, learner_progress
-from rmm.training.splits import Split, split_questions
+from rmm.training.splits import Split, refuse_heldout_on_pretrained, split_questions
 from rmm.types import Candidates, Dataset, Memory, Question, Selection
 
 __all__ = ["CITERS", "Asked", "OnlineConfig", "OnlineReport", "OnlineTrainer", "Split", "headline",
@@ -98,6 +98,7 @@ class OnlineConfig:
     importance: bool = LearnerConfig.importance  # weight stale selections by min(is_clip, π/μ)
     is_clip: float = LearnerConfig.is_clip
     lexical_feature: bool = True  # learn a weight for the first stage's scaled BM25 score (rmm.policy.reranker)
+    lexical_init: float | None = None  # that weight's start (None: rmm.policy.reranker.LEXICAL_INIT)
     candidate_features: bool = True  # and weights for its per-candidate features (rmm.memory.features)
 
     def __post_init__(self) -> None:
@@ -127,7 +128,7 @@ class OnlineConfig:
         return LearnerConfig(lr=self.lr, batch_size=self.batch_size, baseline=self.baseline, tau=self.tau,
                              estimator=self.estimator, optimizer=self.optimizer, credit=self.credit,
                              importance=self.importance, is_clip=self.is_clip, lexical_feature=self.lexical_feature,
-                             candidate_features=self.candidate_features)
+                             lexical_init=self.lexical_init, candidate_features=self.candidate_features)
 
     def resumable_as(self) -> dict[str, Any]:
         """The settings a resumed run must share with the run it continues."""
@@ -323,6 +324,9 @@ class OnlineTrainer:
     # -- the program --------------------------------------------------------------------------
     def run(self) -> OnlineReport:
         log.debug("split: %s", self.split.description)  # every user; `rmm train` prints `split_summary`
+        # the split as it will run (a caller may have set its own): none held out that the encoder trained on
+        refuse_heldout_on_pretrained(getattr(self.bank, "encoder", None), self.dataset.name, self.split,
+                                     self.cfg.per_user)
         self.cands = self.candidates(self.split.train, self.split.visible_sessions)
         self.cands.update(self.candidates(self.split.heldout))
         if self.output_dir and (self.output_dir / "state.json").exists():
@@ -427,7 +431,7 @@ class OnlineTrainer:
             raise CheckpointError(f"{self.output_dir} holds a run written by an older rmm (another checkpoint "
                                   "layout); it cannot be resumed: use another --output directory")
         # runs from before a flag existed ran without what it switches on
-        if {"lexical_feature": False, "candidate_features": False, **state["config"]} != self.cfg.resumable_as():
+        if {"lexical_feature": False, "lexical_init": None, "candidate_features": False, **state["config"]} != self.cfg.resumable_as():
             raise ConfigError(f"{self.output_dir} holds a run with a different configuration; "
                               "use another --output directory or the same settings")
         self.done, self.rows, self.cited_ratio = Done.from_json(state["done"]), state["rows"], state["cited_ratio"]

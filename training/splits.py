@@ -13,18 +13,26 @@ in the later sessions. A question whose evidence spans both parts belongs to nei
 dropped (counted). The cut is chosen per user so that the held-out share of the kept questions
 is as close as possible to `heldout_fraction`. Sessions are taken in the order the dataset lists
 them (dialogue order for LoCoMo and MSC).
+
+An encoder pretrained by `rmm pretrain` records the users it trained on: a split that holds out
+any of them is refused (`refuse_heldout_on_pretrained`), and pretraining chooses its held-out
+users with the same function as the shared mode here (`hold_out_users`), so the defaults agree.
 """
 
 from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from rmm.encoders.encoder import Pretraining
+from rmm.errors import PretrainedUsersError
 from rmm.types import Dataset, Question
 
-__all__ = ["Split", "SplitSettings", "split_questions"]
+__all__ = ["Split", "SplitSettings", "hold_out_users", "pretraining_split_hint", "refuse_heldout_on_pretrained",
+           "refuse_pretrained_users", "split_questions"]
 
 
 class SplitSettings(Protocol):
@@ -65,15 +73,65 @@ def split_questions(dataset: Dataset, questions: list[Question], settings: Split
         return _by_dialogue_time(dataset, by_user, users, heldout_fraction)
     if len(users) < 2:
         raise ValueError("a shared reranker needs ≥ 2 users to hold one out; use per_user=True")
-    shuffled = users[:]
-    random.Random(seed).shuffle(shuffled)
-    n_held = min(len(users) - 1, max(1, round(len(users) * heldout_fraction)))
-    held_users, train_users = sorted(shuffled[:n_held]), [u for u in users if u not in shuffled[:n_held]]
+    held_ids, rest = hold_out_users(users, heldout_fraction, seed)
+    kept = set(rest)
+    held_users, train_users = sorted(held_ids), [u for u in users if u in kept]
     train = [q for u in train_users for q in by_user[u]]
     held = [q for u in held_users for q in by_user[u]]
     desc = (f"shared reranker: train on {', '.join(train_users)} ({len(train)} questions); "
             f"held out {', '.join(held_users)} ({len(held)} questions)")
     return Split(train, held, train_users, held_users, desc)
+
+
+def hold_out_users(users: Sequence[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """(held-out users, the rest): the one seeded choice of whole users to hold out.
+
+    `rmm train` (shared mode) and `rmm pretrain` both call it, so an encoder pretrained with the
+    same seed and fraction never trained on the users `rmm train` holds out. At least one user is
+    held out and one kept. Both lists come in the seeded order; a caller that sets more users
+    aside (pretraining's validation users) takes them from the front of the rest.
+    """
+    users = list(users)
+    if len(users) < 2:
+        raise ValueError(f"holding users out needs ≥ 2 users, got {len(users)}")
+    shuffled = users[:]
+    random.Random(seed).shuffle(shuffled)
+    n_held = min(len(users) - 1, max(1, round(len(users) * fraction)))
+    return shuffled[:n_held], shuffled[n_held:]
+
+
+def refuse_pretrained_users(encoder: str, pretrained_on: Pretraining | None, dataset: str,
+                            users: Sequence[str], remedy: str) -> None:
+    """Raise `PretrainedUsersError` (one line naming them) when the encoder was pretrained on any of
+    `users` of `dataset`: figures on them measure what it memorised, not retrieval for a new user."""
+    seen = pretrained_on.seen(dataset, users) if pretrained_on is not None else []
+    if seen:
+        raise PretrainedUsersError(
+            f"{encoder} was pretrained on {dataset} user{'s' if len(seen) > 1 else ''} {', '.join(seen)}: "
+            f"figures on {'them' if len(seen) > 1 else 'it'} would not be held out; {remedy}")
+
+
+def pretraining_split_hint(pretrained_on: Pretraining) -> str:
+    """The flags of `rmm train` that hold out the users the encoder was pretrained without."""
+    if pretrained_on.seed is None or pretrained_on.heldout_fraction is None:
+        return "pick an encoder that was not pretrained on them"
+    return (f"hold out the users its pretraining held out (--heldout {pretrained_on.heldout_fraction:g} "
+            f"--seed {pretrained_on.seed}: {', '.join(pretrained_on.heldout)})")
+
+
+def refuse_heldout_on_pretrained(encoder: object, dataset: str, split: Split, per_user: bool) -> None:
+    """Refuse a split whose held-out users the encoder was pretrained on (`Encoder.pretrained_on`);
+    an encoder without a record (a preset, any HF folder) passes."""
+    record = getattr(encoder, "pretrained_on", None)
+    if record is None:
+        return
+    remedy = pretraining_split_hint(record)
+    if per_user:
+        remedy = ("per-user mode holds out later questions of every user: train the shared reranker "
+                  f"(without --per-user) and {remedy}")
+    config = getattr(encoder, "config", None)
+    name = str(getattr(config, "model_path", None) or getattr(encoder, "name", "the encoder"))
+    refuse_pretrained_users(name, record, dataset, split.heldout_users, remedy)
 
 
 def _evidence_sessions(dataset: Dataset, user: str) -> dict[str, int]:

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from rmm.eval.retrieval import evaluate_orders, headroom_by_cutoff
 
     dataset = load_benchmark(args)
+    _refuse_pretrained_encoders(args.retriever, dataset)
     questions = question_set(dataset, args.no_dedup)
     topics = "topic" in args.granularity
     llm = load_llm(args.llm) if args.llm and topics else None
@@ -123,6 +124,29 @@ def run(args: argparse.Namespace) -> int:
     else:
         write_json(args.json, {key: r.to_json() for key, r in reports.items()})
     return 0
+
+
+def _refuse_pretrained_encoders(retrievers: list[str], dataset: Any) -> None:
+    """`rmm eval` scores every user: an encoder folder pretrained on some of them (its
+    `rmm_pretraining.json`) would report recall on conversations it trained on, so it is refused
+    before any bank is built, naming them."""
+    from pathlib import Path
+
+    from rmm.encoders.encoder import read_pretraining
+    from rmm.eval.benchmark_bank import parse_retriever
+    from rmm.training.splits import refuse_pretrained_users
+
+    users = [u for u in dataset.users if dataset.questions_of(u)]
+    for name in retrievers:
+        dense = parse_retriever(name).dense
+        record = read_pretraining(dense) if dense is not None and Path(dense).expanduser().is_dir() else None
+        if record is None:
+            continue
+        remedy = "evaluate it on a dataset it was not pretrained on"
+        if record.heldout_fraction is not None and record.seed is not None:
+            remedy = (f"score the users it held out ({', '.join(record.heldout)}) with rmm train --retriever {name} "
+                      f"--heldout {record.heldout_fraction:g} --seed {record.seed}")
+        refuse_pretrained_users(name, record, dataset.name, users, remedy)
 
 
 def _reranker_order(args: argparse.Namespace, opened: Any) -> Rank:

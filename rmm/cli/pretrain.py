@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     print(report.split)
     print(f"pairs {report.n_pairs}; {report.steps} steps, {report.pairs_per_second:.1f} pairs/s; "
           f"final train loss {_fmt(report.final_train_loss)}, val loss {_fmt(report.final_val_loss)}")
-    print(f"encoder folder: {report.output}  (use --retriever {report.output})")
+    print(f"encoder folder: {report.output}  (use --retriever {report.output}; it records the users it was "
+          f"trained on, and rmm train --heldout {cfg.test_fraction:g} --seed {cfg.seed} holds out the others)")
     for k in cfg.eval_ks:
         key = f"recall@{k}"
         print(f"held-out {key}: before {_fmt(report.before.get(key, '-'))}  after {_fmt(report.after.get(key, '-'))}")

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 RMM_ENCODER_FILE = "rmm_encoder.json"
 RMM_ENCODER_FORMAT = 1
+# Whose data an encoder folder was pretrained on (`rmm pretrain` writes it; absent elsewhere).
+PRETRAINING_FILE = "rmm_pretraining.json"
+PRETRAINING_FORMAT = 1
 DENSE_SUBDIR = "dense"
 PROGRESS_THRESHOLD = 1000
 # On a CPU a batch stops growing at this many (padded) tokens: past it the activations leave the
@@ -91,6 +94,58 @@ class EncoderConfig:
         data.pop("model_path")
         data["dense"] = data.pop("dense_path") is not None
         return data
+
+
+@dataclass(frozen=True)
+class Pretraining:
+    """The users (conversations) of a dataset an encoder was pretrained on, kept in its folder.
+
+    Held-out figures on those users would measure memorisation, not retrieval for a new user:
+    `rmm train` and `rmm eval` read this record (as `Encoder.pretrained_on`) and refuse them.
+    `heldout` and `validation` are the pretraining run's own other users, for the reader.
+    """
+
+    dataset: str
+    users: tuple[str, ...]
+    heldout: tuple[str, ...] = ()
+    validation: tuple[str, ...] = ()
+    seed: int | None = None
+    heldout_fraction: float | None = None
+
+    def seen(self, dataset: str, users: Sequence[str]) -> list[str]:
+        """Those of `users` of `dataset` this encoder was trained on, in the order given."""
+        trained = set(self.users) if dataset == self.dataset else set()
+        return [u for u in users if u in trained]
+
+    def merged(self, other: Pretraining | None) -> Pretraining:
+        """This record plus an earlier one (an encoder pretrained again keeps what it saw before)."""
+        if other is None or other.dataset != self.dataset:
+            return self  # one dataset per record: a base pretrained elsewhere is not comparable by user id
+        users = tuple(dict.fromkeys((*other.users, *self.users)))
+        return dataclasses.replace(self, users=users, heldout=tuple(u for u in self.heldout if u not in users))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": PRETRAINING_FORMAT, **dataclasses.asdict(self)}
+
+
+def read_pretraining(folder: str | Path) -> Pretraining | None:
+    """The folder's pretraining record, or None when it has none (a preset, any HF folder)."""
+    file = Path(folder).expanduser() / PRETRAINING_FILE
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise CorruptFileError(f"{file} is not valid JSON: {err}") from err
+    if not isinstance(data, dict) or data.get("format") != PRETRAINING_FORMAT:
+        raise CorruptFileError(f"{file} is not an rmm pretraining record of format {PRETRAINING_FORMAT}")
+    try:
+        return Pretraining(dataset=str(data["dataset"]), users=tuple(map(str, data["users"])),
+                           heldout=tuple(map(str, data.get("heldout", ()))),
+                           validation=tuple(map(str, data.get("validation", ()))),
+                           seed=data.get("seed"), heldout_fraction=data.get("heldout_fraction"))
+    except (KeyError, TypeError) as err:
+        raise CorruptFileError(f"{file} lacks a field or has one of the wrong type: {err}") from err
 
 
 class DenseHead(nn.Module):
@@ -225,6 +280,9 @@ class Encoder:
     whose token ids (prefix included) it has seen; identical token sequences within one call are
     always encoded once.
     """
+
+    # whose data the weights were pretrained on (`load_encoder` reads it from the folder; None: unknown)
+    pretrained_on: Pretraining | None = None
 
     def __init__(self, config: EncoderConfig, device: str | torch.device = "auto",
                  dtype: str | torch.dtype = "auto", batch_size: int = 64, show_progress: bool | None = None,
@@ -454,7 +512,8 @@ class Encoder:
     # ---------------------------------------------------------------- saving
 
     def save(self, folder: str | Path) -> Path:
-        """Write weights, tokenizer and `rmm_encoder.json`, loadable with `load_encoder(folder)`."""
+        """Write weights, tokenizer and `rmm_encoder.json` (and `rmm_pretraining.json` when the encoder
+        has a pretraining record), loadable with `load_encoder(folder)`."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(folder)
@@ -463,6 +522,8 @@ class Encoder:
             self.dense.save(folder / DENSE_SUBDIR)
         payload = {"format": RMM_ENCODER_FORMAT, **self.config.portable_dict()}
         (folder / RMM_ENCODER_FILE).write_text(json.dumps(payload, indent=2))
+        if self.pretrained_on is not None:  # a copy keeps the record of whose data trained it
+            (folder / PRETRAINING_FILE).write_text(json.dumps(self.pretrained_on.to_json(), indent=2))
         return folder
 
     def __repr__(self) -> str:

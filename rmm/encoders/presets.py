@@ -22,6 +22,7 @@ from rmm.encoders.encoder import (
     RMM_ENCODER_FILE,
     Encoder,
     EncoderConfig,
+    read_pretraining,
     read_rmm_encoder_file,
 )
 from rmm.encoders.pooling import EncoderError
@@ -92,6 +93,8 @@ _ENCODER_OPTIONS = {"device", "dtype", "batch_size", "show_progress", "onednn", 
 def load_encoder(name_or_path: str | os.PathLike[str] = DEFAULT_ENCODER, **overrides: Any) -> Encoder:
     """A preset name or a local folder (HF, sentence-transformers or rmm encoder) → Encoder.
 
+    A folder `rmm pretrain` wrote carries its pretraining record (`Encoder.pretrained_on`: whose
+    conversations trained it); any other folder and every preset has none.
     Overrides are EncoderConfig fields (`pooling`, `normalize`, `query_prefix`, `model_path`, …),
     Encoder options (`device`, `dtype`, `batch_size`, `show_progress`, `onednn`, `max_batch_tokens`), or `task` (GTE only: the
     instruction in its query prefix).
@@ -114,7 +117,10 @@ def load_encoder(name_or_path: str | os.PathLike[str] = DEFAULT_ENCODER, **overr
             raise EncoderError("`task` sets GTE's instruction; for other encoders pass query_prefix instead")
         config.query_prefix = gte_query_prefix(task)
     config = dataclasses.replace(config, **overrides)
-    return Encoder(config, **encoder_options)
+    encoder = Encoder(config, **encoder_options)
+    if key not in PRESETS:
+        encoder.pretrained_on = read_pretraining(Path(key))
+    return encoder
 
 
 def resolve_preset_path(preset: Preset) -> Path:

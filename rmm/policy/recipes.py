@@ -45,6 +45,7 @@ class LearnerConfig:
     is_clip: float = 1.0
     is_normalize: bool = False
     lexical_feature: bool = True
+    lexical_init: float | None = None  # the lexical weight's start (None: reranker.LEXICAL_INIT)
     candidate_features: bool = True
 
     def __post_init__(self) -> None:

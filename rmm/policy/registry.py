@@ -100,6 +100,7 @@ class LearnerRegistry:
                     log.info("loaded reranker checkpoint %s (step %d)", path, learner.stats.step)
                 else:
                     reranker = ResidualLinearReranker(self.dim, self.config.lexical_feature,
+                                                      lexical_init=self.config.lexical_init,
                                                       feature_names=self.feature_names)
                     learner = Learner(reranker, self.config, encoder_name=self.encoder_name, device=self.device)
                 self._learners[key] = learner

@@ -6,11 +6,11 @@ recall measures generalisation to new users, not memorisation of their turns.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rmm.errors import DataError
+from rmm.training.splits import hold_out_users
 from rmm.types import Dataset
 
 
@@ -38,17 +38,21 @@ class UserSplit:
 
 
 def split_users(users: Sequence[str], val_fraction: float, test_fraction: float, seed: int) -> UserSplit:
-    """Seeded split of whole users (conversations): at least one user trains and one is tested."""
+    """Seeded split of whole users (conversations): at least one user trains and one is tested.
+
+    The test users are `rmm train`'s held-out users for the same seed and fraction (one function,
+    `hold_out_users`, chooses both), so `rmm train --retriever ENCODER` with its defaults never
+    reports held-out figures on a conversation the encoder was pretrained on. Validation users
+    come from the rest and are not trained on.
+    """
     users = list(users)
     if len(users) < 2:
         raise DataError(f"pretraining needs ≥ 2 users (conversations) to hold one out, got {len(users)}")
-    shuffled = users[:]
-    random.Random(seed).shuffle(shuffled)
-    n_test = min(len(users) - 1, max(1, round(len(users) * test_fraction)))
-    n_val = min(len(users) - 1 - n_test, round(len(users) * val_fraction))
-    if val_fraction > 0 and n_val == 0 and len(users) - n_test >= 2:
+    test, rest = hold_out_users(users, test_fraction, seed)
+    n_val = min(len(rest) - 1, round(len(users) * val_fraction))
+    if val_fraction > 0 and n_val == 0 and len(rest) >= 2:
         n_val = 1
-    test, val, train = shuffled[:n_test], shuffled[n_test:n_test + n_val], shuffled[n_test + n_val:]
+    val, train = rest[:n_val], rest[n_val:]
     order = {u: i for i, u in enumerate(users)}
     return UserSplit(sorted(train, key=order.get), sorted(val, key=order.get), sorted(test, key=order.get))
 

@@ -1,5 +1,8 @@
 """The driver: split → held-out recall before → fit → save the encoder → recall after (`run_pretrain`).
 
+The encoder folder records whose conversations trained it (`rmm_pretraining.json`, read back as
+`Encoder.pretrained_on`), so `rmm train` / `rmm eval` can refuse held-out figures on them.
+
 What a run keeps for resuming is one file, `checkpoints/last.ckpt`, rewritten at the end of every
 epoch: the weights, the AdamW moments, the LR schedule and Lightning's loop counters — everything
 `resume_from=last` needs to continue exactly where the run stopped (≈ 3 × the weights in fp32, as
@@ -27,13 +30,15 @@ from typing import Any
 import lightning as L
 
 from rmm.encoders import load_encoder
+from rmm.encoders.encoder import Pretraining
 from rmm.errors import ConfigError
 from rmm.training.pretrain.console import lightning_console
-from rmm.training.pretrain.data import split_users
+from rmm.training.pretrain.data import UserSplit, split_users
 from rmm.training.pretrain.datamodule import PairDataModule
 from rmm.training.pretrain.evaluation import evaluate_heldout
 from rmm.training.pretrain.module import ContrastiveModule, batch_pairs, resolve_precision
 from rmm.training.pretrain_config import PretrainConfig
+from rmm.training.splits import refuse_pretrained_users
 from rmm.types import Dataset
 
 log = logging.getLogger(__name__)
@@ -142,9 +147,18 @@ def build(cfg: PretrainConfig, dataset: Dataset | None = None) -> tuple[Contrast
                         cfg.test_fraction, cfg.seed)
     log.info("%s", split.describe())
     encoder = load_encoder(cfg.encoder, device="cpu", dtype=cfg.dtype, onednn=True)
+    refuse_pretrained_users(cfg.encoder, encoder.pretrained_on, dataset.name, split.test,
+                            "pretrain it further with the split it was pretrained with (its seed and test_fraction)")
     module = ContrastiveModule(encoder, cfg)
     data = PairDataModule(dataset, encoder, cfg, split, module)
     return module, data
+
+
+def pretraining_record(cfg: PretrainConfig, dataset: str, split: UserSplit) -> Pretraining:
+    """What the encoder folder records of this run: the users it trained on, and those it held out
+    (with the seed and fraction that chose them: `rmm train --heldout F --seed S` holds out the same)."""
+    return Pretraining(dataset=dataset, users=tuple(split.train), heldout=tuple(split.test),
+                       validation=tuple(split.val), seed=cfg.seed, heldout_fraction=cfg.test_fraction)
 
 
 def _progress_bar(cfg: PretrainConfig) -> L.Callback:
@@ -271,6 +285,8 @@ def _run(cfg: PretrainConfig, dataset: Dataset | None, callbacks: list[L.Callbac
         module.model.eval()
         module.encoder.config.name = f"{module.encoder.config.name}-pretrained"
         module.encoder.name = module.encoder.config.name
+        module.encoder.pretrained_on = pretraining_record(cfg, data.dataset.name, data.split).merged(
+            module.encoder.pretrained_on)
         encoder_dir = module.export_encoder(output / "encoder")
         log.info("pretrained encoder written to %s", encoder_dir)
         trained = load_encoder(str(encoder_dir), device=cfg.eval_device)
