@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from rmm.errors import ConfigError
+from rmm.memory.storage import is_database_url
 from rmm.serve.errors import BadRequestError
 from rmm.serve.records import FeedbackResult, NewMemory, QueryError, RetrieveItem, RetrieveResult
 from rmm.types import MEMORY_KINDS, Turn
@@ -54,10 +55,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "local"
 _T = TypeVar("_T")
-
-
-def _is_url(location: str) -> bool:
-    return location.startswith(("postgresql://", "postgres://"))
 
 
 class Memory:
@@ -90,7 +87,7 @@ class Memory:
         file_keys = read_yaml(config, "server config") if config is not None else {}
         overrides: dict[str, Any] = dict(settings)
         place = str(location)
-        if _is_url(place):
+        if is_database_url(place):  # raises for another scheme:// (a typo must not become a folder)
             overrides["store"] = place
             bank = folder if folder is not None else file_keys.get("bank")
             if not bank:
