@@ -247,11 +247,14 @@ class OnlineTrainer:
     def score(self, cand: Candidates, order: list[int], q: Question) -> dict[str, float]:
         """Metrics at eval_k (M unless a study sets less: the memories the generator is shown) and at
         K: recall@K of the whole candidate list is the ceiling any reordering of it can reach (the
-        reranker's headroom, `rmm.eval.retrieval.headroom_captured`)."""
+        reranker's headroom, `rmm.eval.retrieval.headroom_captured`). R@T (`recall_turns@T`) walks the
+        memories shown, the first eval_k of `order`, for the retriever's order and the reranker's alike."""
         assert self.cfg.eval_k is not None  # set to M by OnlineConfig
         ks = sorted({self.cfg.eval_k, self.cfg.k})
         ranked = [self.refs[cand.memory_ids[i]] for i in order[: max(ks)]]
-        return self.scorer.score(ranked, q, ks)
+        row = self.scorer.score(ranked, q, ks, budgets=())
+        row.update(self.scorer.turn_budgets(ranked[: self.cfg.eval_k], q))
+        return row
 
     def greedy(self, cand: Candidates, user: str) -> list[int]:
         """The current reranker's full order of the candidates (scored at eval_k, like the retriever)."""

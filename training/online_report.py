@@ -6,7 +6,9 @@ alone and with the learned reranker, prequential on the training stream and on h
 Every figure is read at M, the memories the generator is shown (`OnlineConfig.eval_k`, which only
 a study sets lower). Beside them, the ceiling: recall@K of the K candidates the reranker reorders,
 and the share of the headroom between the retriever's recall@M and that ceiling which the reranker
-captured. How learning went is told on the same questions for both (`same_question_lift`): the
+captured. R@T (`recall_turns@T`, recall within T dialogue turns) walks the same M memories shown,
+so runs over memories of different sizes (turn, topic, session) compare at equal text shown. How
+learning went is told on the same questions for both (`same_question_lift`): the
 retriever alone and the reranker over the first and the last tenth of the training stream.
 """
 
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from rmm.training.online import OnlineTrainer
 
 __all__ = ["OnlineReport", "build_report", "headline", "headline_questions", "headroom", "same_question_lift",
-           "split_summary"]
+           "split_summary", "turn_budget_metrics"]
 
 Rows = dict[str, dict[str, float]]  # question id → metric → value
 # Figures that vary from run to run; a simulated run's report leaves them out, so it is repeatable.
@@ -84,12 +86,24 @@ def headline(report: OnlineReport) -> list[tuple[str, float, float]]:
     for metric in (f"recall@{k}", f"recall_any@{k}", f"ndcg@{k}"):
         rows.append((f"prequential {metric}", report.retriever.get(metric, math.nan),
                      report.reranker_prequential.get(metric, math.nan)))
+    for metric, label in turn_budget_metrics(report.retriever):
+        rows.append((f"prequential {label}", report.retriever[metric],
+                     report.reranker_prequential.get(metric, math.nan)))
     for metric in (f"recall@{k}", f"recall_any@{k}", f"ndcg@{k}"):
         rows.append((f"held-out {metric}", report.retriever_heldout.get(metric, math.nan),
+                     report.reranker_heldout.get(metric, math.nan)))
+    for metric, label in turn_budget_metrics(report.retriever_heldout):
+        rows.append((f"held-out {label}", report.retriever_heldout[metric],
                      report.reranker_heldout.get(metric, math.nan)))
     rows.append((f"held-out recall@{k}, whole-bank search", report.retriever_heldout.get(f"recall@{k}", math.nan),
                  report.reranker_heldout_whole_bank.get(f"recall@{k}", math.nan)))
     return rows
+
+
+def turn_budget_metrics(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, label) of each R@T among `figures`, smallest T first: `("recall_turns@15", "R@15t")`."""
+    budgets = sorted(int(key.partition("@")[2]) for key in figures if key.startswith("recall_turns@"))
+    return [(f"recall_turns@{t}", f"R@{t}t") for t in budgets]
 
 
 def split_summary(split: Split, per_user: bool, examples: int = 3) -> str:

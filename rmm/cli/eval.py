@@ -37,11 +37,19 @@ if TYPE_CHECKING:
     from rmm.eval.retrieval import Rank
     from rmm.types import Candidates
 
-__all__ = ["granularity_figures", "headroom_figures", "register", "report_figures", "run"]
+__all__ = ["granularity_figures", "headroom_figures", "register", "report_figures", "run", "turn_budget_figures",
+           "turn_columns"]
 
 log = logging.getLogger(__name__)
 
 SHORT = {"recall": "R", "recall_any": "any", "recall_all": "all", "ndcg": "nDCG"}
+TURNS_NOTE = ("R@Tt = recall within a budget of T dialogue turns shown: whole memories in rank order while "
+              "their turns (refs) add up to at most T, scored on gold turns at every granularity")
+
+
+def turn_columns(report: Any) -> list[tuple[str, str]]:
+    """(JSON key, header) of each R@T a report holds (`rmm.eval.metrics.recall_at_turns`): "R@15t"."""
+    return [(f"recall_turns@{t}", f"R@{t}t") for t in getattr(report, "turn_budgets", [])]
 
 
 def register(subparsers: Any) -> None:
@@ -109,11 +117,15 @@ def run(args: argparse.Namespace) -> int:
                 reports[f"{name}/{granularity}+reranker"] = reranked
             if len(args.granularity) == 1:
                 print_figures(report_figures(report, questions), console)
+                if turn_columns(report):
+                    print_figures(turn_budget_figures(report, questions), console)
                 if report.skipped:
                     console.print(f"[dim]{report.skipped} questions without gold evidence were skipped[/dim]")
             if reranked is not None:
                 if len(args.granularity) == 1:
                     print_figures(report_figures(reranked, questions), console)
+                    if turn_columns(reranked):
+                        print_figures(turn_budget_figures(reranked, questions), console)
                 print_figures(headroom_figures(report, reranked, questions), console)
     if len(args.granularity) > 1:
         for name in args.retriever:
@@ -222,6 +234,23 @@ def report_figures(report: Any, questions: str = "") -> Figures:
     return figures
 
 
+def turn_budget_figures(report: Any, questions: str = "") -> Figures:
+    """One retriever at one granularity: R@K beside R@T (T in dialogue turns), per category — its own
+    table, since beside every metric at every K it would not fit 80 columns."""
+    metrics = [(f"recall@{k}", f"R@{k}") for k in report.ks] + turn_columns(report)
+    figures = Figures(title=f"{report.dataset} · {report.retriever} · {report.granularity}: recall at K memories "
+                            "and at T turns (%)",
+                      caption=f"R@K = fractional recall of the top K memories; {TURNS_NOTE}" + _of(questions),
+                      columns=["category", "n", *(short for _, short in metrics)])
+
+    def cells(cat: str | None) -> list[str]:
+        row = report.overall if cat is None else report.by_category[cat]
+        return [fmt(row.get(m)) for m, _ in metrics]
+
+    _category_rows(figures, report, cells)
+    return figures
+
+
 def ceiling_note(reports: list[Any]) -> str:
     """The headline recall@K of the top-K candidates — the ceiling of a reranker of them — for the
     caption (a column would push the usual table past 80 columns; `--json` has it per category)."""
@@ -238,11 +267,12 @@ def ceiling_note(reports: list[Any]) -> str:
 def granularity_figures(reports: list[Any], retriever: str, questions: str = "") -> Figures:
     """One table, granularities side by side (the paper's Fig. 4 comparison)."""
     first = reports[0]
-    metrics = [(f"recall@{k}", f"R@{k}") for k in first.ks]
+    metrics = [(f"recall@{k}", f"R@{k}") for k in first.ks] + turn_columns(first)
+    turns = f". {TURNS_NOTE}, so turn, topic and session compare at equal text shown" if turn_columns(first) else ""
     topic_by = next((f" · topic memories by {escape(r.retriever)}" for r in reports if r.granularity == "topic"), "")
     figures = Figures(title=f"{first.dataset} · {retriever} · memory granularity (%)",
                       caption="R = fractional recall. turn and topic are scored on gold turns (topic through its "
-                              "refs), session on gold sessions. topic = prospective reflection" + topic_by
+                              "refs), session R@K on gold sessions. topic = prospective reflection" + topic_by + turns
                               + ceiling_note(reports) + _of(questions),
                       columns=["category", "n", *(f"{r.granularity} {short}" for r in reports for _, short in metrics)])
 

@@ -21,7 +21,7 @@ from rmm.cli.frontend_options import (
 from rmm.cli.tables import Figures, print_figures, question_set
 from rmm.errors import RmmError
 
-__all__ = ["controller_figures", "register", "run"]
+__all__ = ["controller_figures", "register", "run", "turn_budget_figures"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
                                         k=args.k, m=args.m, config=frontend_config(args), answer=args.answer,
                                         on_trace=show)
     print_figures(controller_figures(report, question_set(dataset, args.no_dedup)), common.console)
+    if report.recall_turns_controller:
+        print_figures(turn_budget_figures(report), common.console)
     common.write_json(args.json, report.to_json())
     return 0
 
@@ -90,11 +92,27 @@ def controller_figures(report: Any, questions: str = "") -> Figures:
     figures = Figures(title=f"{report.dataset} category {report.category} · gold-evidence recall at equal memory "
                             f"budget · {controller.label} · {escape(report.llm)}",
                       caption=f"{report.frontend} = union of the memories the {controller.label} front end's queries "
-                              "retrieved; direct = one query with the question, same number of memories. "
-                              "Cost per question." + (f" Questions: {questions}" if questions else ""),
+                              "retrieved; direct = one query with the question, same number of memories."
+                              " Cost per question." + (f" Questions: {questions}" if questions else ""),
                       columns=["n", f"recall {report.frontend}", "recall direct", "memories", controller.settled,
                                "LLM calls", "prompt tok", "completion tok", "LLM s"], label=False)
     figures.add_row(str(report.n), common.fmt(report.recall_controller), common.fmt(report.recall_direct),
                     f"{report.memories_per_question:.1f}", common.fmt(report.settled), f"{report.llm_calls:.1f}",
                     f"{report.prompt_tokens:.0f}", f"{report.completion_tokens:.0f}", f"{report.seconds:.1f}")
+    return figures
+
+
+def turn_budget_figures(report: Any) -> Figures:
+    """Both ways of retrieving at equal text shown: recall of all their memories beside R@T (T in
+    dialogue turns), so a controller whose memories show more turns does not win by that alone."""
+    budgets = sorted(int(key.partition("@")[2]) for key in report.recall_turns_controller)
+    figures = Figures(title=f"{report.dataset} category {report.category} · gold-evidence recall at equal turn budget "
+                            f"(%)",
+                      caption="recall = all the memories retrieved; R@Tt = recall within T dialogue turns: the "
+                              "memories in the order they were shown (direct: rank order), each whole while their "
+                              "turns (refs) add up to at most T",
+                      columns=["retrieval", "recall", *(f"R@{t}t" for t in budgets)])
+    for arm, recall, turns in ((report.frontend, report.recall_controller, report.recall_turns_controller),
+                               ("direct", report.recall_direct, report.recall_turns_direct)):
+        figures.add_row(arm, common.fmt(recall), *(common.fmt(turns[f"recall_turns@{t}"]) for t in budgets))
     return figures

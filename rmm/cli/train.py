@@ -249,12 +249,17 @@ def train_figures(report: Any, retriever: str, questions: str = "") -> Figures:
 
 def _train_caption(report: Any, k: int | None, m: int, questions: str) -> str:
     """Which cut-offs the rows are read at, and how many questions they cover."""
+    from rmm.training.online_report import turn_budget_metrics
+
     shown = report.config.get("m", m)
     memories = "memory" if shown == 1 else "memories"
     at = (f"figures @{m}: among the M = {m} {memories} the generator is shown" if m == shown
           else f"figures @{m}: among the first {m} of the M = {shown} {memories} the generator is shown")
     parts = [at + (f"; recall@{k}: among the retriever's K = {k} candidates the reranker reorders (the ceiling)"
                    if k is not None else "")]
+    if turn_budget_metrics(report.retriever):
+        parts.append(f"R@Tt: recall within T dialogue turns of the {m} shown (whole memories in order while their "
+                     "turns add up to at most T), comparing memories of different sizes at equal text")
     counts = report.questions or {}
     if counts:
         used = (f"{counts['train']:,} training questions (prequential: each scored before its own update) and "

@@ -12,6 +12,20 @@ Definitions (K = k, top = the first k retrieved memories, or all of them when fe
   DCG discount is 1 at rank 1 and log2(rank) from rank 2 on, and the ideal DCG puts
   `n_relevant` relevant items (default: one per gold unit) at the top ranks.
 
+Equal-turn-budget recall (`recall_at_turns`, reported as R@T beside R@K): memories differ in size
+(a turn memory shows one dialogue turn, a session memory all of its turns, a topic or an event the
+turns in its refs, a graph walk whatever it visited), so R@K rewards a memory for showing more text.
+R@T compares them at the same number of dialogue turns shown. Walk the ranking in order; each
+memory costs the number of distinct turns it shows (its refs; a memory with no refs still costs 1:
+it is shown); include memories while the cumulative cost stays ≤ T. The first memory that would
+cross T is excluded and the walk stops there, so the included memories are the longest prefix of
+the ranking that fits — the analogue of R@K's top-k prefix, and what a system that fills a turn
+budget in rank order would show. No partial memories: a memory is shown whole or not at all, and
+which of its turns a cut would keep is not defined by a ranking, so crediting part of it would
+count turns that no reader of the budget saw. A memory larger than T therefore never counts (a
+LoCoMo session of ~20 turns at T = 15 scores 0). The score is the same fractional recall as R@K,
+over gold *turns*: the share of the gold evidence turns covered by the included memories' refs.
+
 An empty gold set has no defined recall: every function raises `ValueError`, and the evaluator
 skips such questions (LoCoMo has 4 of them; LongMemEval's abstention questions are excluded).
 """
@@ -22,6 +36,9 @@ import math
 from collections.abc import Callable, Collection, Sequence
 
 RankedUnits = Sequence[Collection[str]]
+
+TURN_BUDGETS: tuple[int, ...] = (15, 25)
+"""The turn budgets T of R@T every evaluation reports beside R@K (dialogue turns shown)."""
 
 
 def _check(gold: Collection[str], k: int) -> set[str]:
@@ -56,6 +73,44 @@ def recall_all_at_k(ranked: RankedUnits, gold: Collection[str], k: int) -> float
     """1.0 if every gold unit is covered by the top k memories, else 0.0."""
     gold_set = _check(gold, k)
     return 1.0 if _covered(ranked, gold_set, k) == gold_set else 0.0
+
+
+def turn_cost(refs: Collection[str]) -> int:
+    """Dialogue turns a memory shows: its distinct refs, at least 1 (a memory with none is still shown)."""
+    return max(1, len(set(refs)))
+
+
+def within_turns(ranked_refs: Sequence[Collection[str]], budget: int) -> list[Collection[str]]:
+    """The longest prefix of the ranking whose memories show at most `budget` dialogue turns in all
+    (the memory that would cross the budget ends the walk, excluded: no partial memories)."""
+    if budget < 1:
+        raise ValueError(f"the turn budget must be at least 1, got {budget}")
+    shown: list[Collection[str]] = []
+    spent = 0
+    for refs in ranked_refs:
+        spent += turn_cost(refs)
+        if spent > budget:
+            break
+        shown.append(refs)
+    return shown
+
+
+def recall_at_turns(ranked_refs: Sequence[Collection[str]], gold_turns: Collection[str], budget: int) -> float:
+    """R@T: share of the gold turns covered by the ranked memories that fit a budget of T dialogue
+    turns (`within_turns`). `ranked_refs` are each memory's turn refs, best first; `gold_turns` the
+    question's evidence turns (turn ids at every granularity, so sizes compare)."""
+    gold_set = _check(gold_turns, budget)
+    shown = within_turns(ranked_refs, budget)
+    return len(_covered(shown, gold_set, len(shown))) / len(gold_set) if shown else 0.0
+
+
+def score_turn_budgets(ranked_refs: Sequence[Collection[str]], gold_turns: Collection[str],
+                       budgets: Sequence[int] = TURN_BUDGETS) -> dict[str, float]:
+    """R@T at every budget, keyed `"recall_turns@{T}"`; `{}` without gold turns (a question with
+    only session-level evidence has no turn recall, and is left out of R@T's means)."""
+    if not set(gold_turns):
+        return {}
+    return {f"recall_turns@{t}": recall_at_turns(ranked_refs, gold_turns, t) for t in budgets}
 
 
 def _dcg(relevances: Sequence[float], discount: str) -> float:

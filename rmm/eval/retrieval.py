@@ -1,4 +1,5 @@
-"""Recall@K evaluation of a retriever on a benchmark, per category and overall.
+"""Recall@K evaluation of a retriever on a benchmark, per category and overall, with R@T (recall
+within a budget of T dialogue turns shown, `rmm.eval.metrics.recall_at_turns`) beside it.
 
 This module sits above the bank (it builds one document set per user and searches it); the pure
 metric functions live in `rmm.eval.metrics`. A question is only searched against its own user's
@@ -14,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm.auto import tqdm
 
-from rmm.eval.metrics import aggregate, score_question
+from rmm.eval.metrics import TURN_BUDGETS, aggregate, score_question, score_turn_budgets
+from rmm.policy.reranker import candidate_subset
 from rmm.types import Candidates, Dataset, Memory, Question, Retriever
 
 log = logging.getLogger(__name__)
@@ -45,8 +47,20 @@ class GoldScorer:
         return set(refs)
 
     def score(self, ranked_refs: Sequence[Iterable[str]], question: Question, ks: Sequence[int],
-              n_relevant: int | None = None) -> dict[str, float]:
-        return score_question([self.units(refs) for refs in ranked_refs], self.gold(question), ks, n_relevant)
+              n_relevant: int | None = None, budgets: Sequence[int] = TURN_BUDGETS) -> dict[str, float]:
+        """Every metric at every k on this granularity's gold units, and R@T at every turn budget on the
+        gold turns (`recall_turns@T`; whatever the granularity, so memories of any size compare)."""
+        refs = [list(r) for r in ranked_refs]
+        row = score_question([self.units(r) for r in refs], self.gold(question), ks, n_relevant)
+        row.update(self.turn_budgets(refs, question, budgets))
+        return row
+
+    @staticmethod
+    def turn_budgets(ranked_refs: Sequence[Iterable[str]], question: Question,
+                     budgets: Sequence[int] = TURN_BUDGETS) -> dict[str, float]:
+        """R@T alone (`recall_turns@T`) of memories given by their turn refs, best first; `{}` for a
+        question without gold turns."""
+        return score_turn_budgets([list(r) for r in ranked_refs], question.evidence_turns, budgets)
 
 
 def headroom_captured(reranked_at_m: float, base_at_m: float, base_at_k: float) -> float | None:
@@ -104,6 +118,7 @@ class RetrievalReport:
     skipped: int = 0
     ceiling: int | None = None  # K of the candidate set a reranker reorders; recall@K is in every row
     headroom: dict[str, dict[str, float | None]] = field(default_factory=dict)  # a reranked report's, per cut-off
+    turn_budgets: list[int] = field(default_factory=list)  # T of each `recall_turns@T` (dialogue turns shown)
 
     def ceiling_recall(self) -> float | None:
         """Headline recall@K of the top-K candidates: the most any reordering of them can reach."""
@@ -152,10 +167,15 @@ def evaluate(dataset: Dataset, retriever: Retriever, granularity: str, ks: Seque
 
 def evaluate_orders(dataset: Dataset, retriever: Retriever, granularity: str, ks: Sequence[int],
                     orders: Mapping[str, Rank | None], *, batch_size: int = 256, progress: bool = True,
-                    ceiling: int | None = None) -> dict[str, RetrievalReport]:
+                    ceiling: int | None = None, budgets: Sequence[int] = TURN_BUDGETS) -> dict[str, RetrievalReport]:
     """One report per entry of `orders` (name → `rank`, None = the retriever's order), all scored from
     one search per question: the retriever's top max(ks, ceiling) is searched once and each order of
-    it scored, so the reports differ by their order only (a reranked report and its base run's)."""
+    it scored, so the reports differ by their order only (a reranked report and its base run's).
+
+    R@T (`budgets`, in dialogue turns) may need more memories than that (25 turn memories for
+    T = 25), so the search goes max(budgets) deep; a `rank` still reorders only the top max(ks,
+    ceiling), and the rest of the list follows in the retriever's order (the usual reading of a
+    reranker of the top K), so every order walks a list long enough to fill each budget."""
     scorer = GoldScorer.for_dataset(dataset, granularity)
     questions = scorable(dataset.questions, scorer)
     skipped = len(dataset.questions) - len(questions)
@@ -167,24 +187,28 @@ def evaluate_orders(dataset: Dataset, retriever: Retriever, granularity: str, ks
     rows: dict[str, dict[str, dict[str, float]]] = {name: {} for name in orders}
     refs_cache: dict[tuple[str, str], list[str]] = {}
     scored = sorted(set(ks) | ({ceiling} if ceiling else set()))
-    depth = max(scored)
+    depth = max(scored)  # what a `rank` reorders
+    search_depth = max([depth, *budgets])  # each memory costs at least one turn: enough to fill any budget
     bar = tqdm(total=len(questions), desc=f"eval {' / '.join(orders) or 'retriever'} ({granularity})",
                disable=not progress, unit="q")
     for user, qs in by_user.items():
         for start in range(0, len(qs), batch_size):
             chunk = qs[start:start + batch_size]
-            results = retriever.search([q.text for q in chunk], user, depth)
+            results = retriever.search([q.text for q in chunk], user, search_depth)
+            head = [c if len(c) <= depth else candidate_subset(c, range(depth)) for c in results]
             for name, rank in orders.items():
-                ranked_ids = rank(results) if rank else [c.memory_ids for c in results]
+                ranked_ids = ([ids + c.memory_ids[depth:] for ids, c in zip(rank(head), results)] if rank
+                              else [c.memory_ids for c in results])
                 missing = [m for ids in ranked_ids for m in ids if (user, m) not in refs_cache]
                 if missing:
                     refs_cache.update({(user, m.id): m.refs for m in _get_memories(retriever, user, missing)})
                 for q, ids in zip(chunk, ranked_ids):
-                    rows[name][q.id] = scorer.score([refs_cache[(user, m)] for m in ids[:depth]], q, scored)
+                    rows[name][q.id] = scorer.score([refs_cache[(user, m)] for m in ids[:search_depth]], q, scored,
+                                                    budgets=budgets)
             bar.update(len(chunk))
     bar.close()
     return {name: summarize(dataset, rows[name], questions, retriever=name, granularity=granularity, ks=list(ks),
-                            skipped=skipped, ceiling=ceiling) for name in orders}
+                            skipped=skipped, ceiling=ceiling, turn_budgets=list(budgets)) for name in orders}
 
 
 def _get_memories(retriever: Retriever, user: str, ids: list[str]) -> list[Memory]:
