@@ -2,7 +2,7 @@
 """ONNX Runtime against torch for the MiniLM encoder on the CPU: same vectors? how much faster?
 
 Text sets: what the non-LLM topic fallback encodes on one LoCoMo conversation (turn lines,
-topics, merged memories — recorded as `scripts/topic_encoder_floor.py` does) and the LoCoMo
+topics, merged memories — recorded as `research/topic_encoder_floor.py` does) and the LoCoMo
 questions (what the server's query path encodes). Paths, all through the encoder's own batching:
 
 * torch        — the encoder as it runs today (oneDNN linears, float32)
@@ -16,7 +16,7 @@ micro-batches of 32 questions, as the server encodes them.
 Per path and set: CPU seconds (best of `--repeats`, one thread: CPU time is the work done, the
 machine is shared), the ratio torch/path from the same run, and max |Δ| of its vectors against torch.
 
-    python scripts/bench_onnx_encoder.py --conversation 0 --threads 1
+    python research/bench_onnx_encoder.py --conversation 0 --threads 1
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ sampling at each τ shows a gold memory the retriever ranked below M (what the l
 rewarded for), and recall@M when the question's fixed prefix (MSC: "What do you know about:")
 is stripped (is the question form what hides the gold?).
 
-    python scripts/candidate_margins.py --dataset msc --sample 600
+    python research/candidate_margins.py --dataset msc --sample 600
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Scores dense alone, BM25 alone, reciprocal-rank fusion and convex mixes of min-m
 questions `rmm train` would train on (its own split: `rmm.training.splits`, same defaults, so the
 held-out conversations are never read). Prints recall@5, recall@20 and nDCG@5 per rule.
 
-    python scripts/choose_fusion.py --dataset locomo --dense minilm
+    python research/choose_fusion.py --dataset locomo --dense minilm
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ prints one line per run: the held-out recall@5 of the retriever alone and with t
 (lift in points), the prequential figures on the training stream, and the measured staleness.
 The bank is built once (cached like `rmm train`'s).
 
-    python scripts/online_measurements.py --dataset locomo --delay 0 16 64 256 --importance on off
-    python scripts/online_measurements.py --dataset msc --credit per-pick reward-to-go sequence
+    python research/online_measurements.py --dataset locomo --delay 0 16 64 256 --importance on off
+    python research/online_measurements.py --dataset msc --credit per-pick reward-to-go sequence
 
 Each run's report goes to `--out` as one JSON line (config, figures, staleness, learner stats).
 """

@@ -11,7 +11,7 @@ Then the GIL: 300 small torch ops in one thread, alone and beside a thread runni
 Each op hands the GIL back and takes it again, so beside a thread that holds it they crawl — why
 the server encodes queries in a child process (`rmm.encoders.query.process`).
 
-    python scripts/probe_parallel_cores.py
+    python research/probe_parallel_cores.py
 """
 
 from __future__ import annotations

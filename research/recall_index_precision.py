@@ -12,7 +12,7 @@ how often the shortlist of 2K+8 missed a true top-K member (the top-K *set* diff
 re-ordering near-ties. Acceptable when no recall drops by more than `--max-drop` points (default
 0.5); exits 1 otherwise.
 
-    python scripts/recall_index_precision.py
+    python research/recall_index_precision.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does ONNX Runtime's int8 query path keep a query's ranking independent of its micro-batch?
 
-`scripts/recall_query_batching.py`'s check (each LoCoMo question encoded alone and inside a
+`research/recall_query_batching.py`'s check (each LoCoMo question encoded alone and inside a
 micro-batch of `--batch` random questions, searched in its conversation's MiniLM turn bank) for
 the ONNX Runtime query paths, next to the server's torch paths:
 
@@ -15,7 +15,7 @@ the ONNX Runtime query paths, next to the server's torch paths:
 
 Also prints each path's CPU milliseconds per query in micro-batches of `--batch` (one thread).
 
-    python scripts/recall_onnx_query_batching.py
+    python research/recall_onnx_query_batching.py
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Prints recall@K both ways (categories 1-4, `rmm eval`'s headline), the share of 
 top-M / top-K ids differ between the two encodings, and the cosine of alone vs batched vectors.
 Exits 1 when the server's int8 path changes more than `--max-changed` of the top-M lists.
 
-    python scripts/recall_query_batching.py
+    python research/recall_query_batching.py
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the same float32 passage vectors, as the server has them. Also prints the query 
 query of each path (batches of 32, one thread) and the cosine of int8 to float32 query vectors. The server's setting is acceptable when no recall drops by more
 than `--max-drop` points (default 0.5); exits 1 otherwise.
 
-    python scripts/recall_query_encoder.py
+    python research/recall_query_encoder.py
 """
 
 from __future__ import annotations

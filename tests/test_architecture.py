@@ -20,11 +20,11 @@ LAYERS: dict[str, int] = {
     "rmm.types": 0, "rmm.errors": 0, "rmm.config": 0, "rmm.paths": 0, "rmm.device": 0, "rmm.kernels": 0,
     "rmm.encoders": 1, "rmm.data": 1, "rmm.eval.metrics": 1,
     "rmm.memory": 2,
-    "rmm.policy": 3, "rmm.llm": 3, "rmm.prompts": 3,
+    "rmm.policy": 3, "rmm.ope": 3, "rmm.llm": 3, "rmm.prompts": 3,
     "rmm.reflection": 4,
     "rmm.frontends": 5,
     "rmm.eval": 6,
-    "rmm.cli": 7, "rmm.serve": 7, "rmm.training": 7, "rmm.embedded": 7,
+    "rmm.cli": 7, "rmm.serve": 7, "rmm.training": 7, "rmm.embedded": 7, "rmm.bench": 7,
 }
 # The package face re-exports records; `python -m rmm`.
 UNLAYERED = {"rmm", "rmm.__main__"}

@@ -1,12 +1,11 @@
-"""scripts/bench_query_encoder.py's verdict, without timing anything."""
+"""rmm/bench/query_encoder.py's verdict, without timing anything."""
 
 from __future__ import annotations
 
-from script_modules import load_script
+from rmm.bench import query_encoder as bench
 
 
 def test_a_pathological_engine_or_a_wrong_auto_choice_fails_the_bench() -> None:
-    bench = load_script("bench_query_encoder")
     # the issue's AMD EPYC at batch 8: oneDNN's int8 kernel ~550x float32
     amd = {8: {"float32": 5.79, "int8": 2.02, "int8-onednn": 3169.76, "int8-onnx": 2.31}}
     assert bench.verdict(amd, "int8") == ["int8-onednn is 547.5x slower than float32 at batch 8"]

@@ -1,4 +1,4 @@
-"""scripts/bench_replicas.py in a tiny setting, so the replica benchmark cannot rot: two `rmm serve`
+"""rmm/bench/replicas.py in a tiny setting, so the replica benchmark cannot rot: two `rmm serve`
 replicas on one embedded PostgreSQL bank, round-robin retrieve → feedback → write."""
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_two_replicas_answer_round_robin_load_with_feedback_on_the_other_replica(tiny_data_dir: Path,
                                                                                   tmp_path: Path) -> None:
@@ -20,7 +18,7 @@ def test_two_replicas_answer_round_robin_load_with_feedback_on_the_other_replica
     pytest.importorskip("psycopg", reason="PostgreSQL banks need psycopg (postgres extra)")
     out = tmp_path / "rows.json"
     # one client: each feedback goes to the replica after the one that sampled its selection
-    command = [sys.executable, str(ROOT / "scripts" / "bench_replicas.py"), "--configs", "postgresql:2",
+    command = [sys.executable, "-m", "rmm.bench.replicas", "--configs", "postgresql:2",
                "--users", "2", "--per-user", "40", "--clients", "1", "--duration", "1", "--warmup", "0",
                "--write-every", "2", "--data-dir", str(tiny_data_dir), "--json", str(out)]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=600,

@@ -1,15 +1,14 @@
-"""scripts/bench_search.py over several users' indexes: every index is searched, and each
+"""rmm/bench/search.py over several users' indexes: every index is searched, and each
 lower-precision torch index (and faiss's 8-bit one) finds what float32 finds on the first."""
 
 from __future__ import annotations
 
 import pytest
 
-from script_modules import load_script
+from rmm.bench import search as bench
 
 
 def test_queries_spread_over_every_users_index(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
-    bench = load_script("bench_search")
     searched: dict[int, int] = {}
     search = bench.TorchIndex.search
 

@@ -1,14 +1,13 @@
-"""scripts/bench_serve.py's own reporting, without starting a server."""
+"""rmm/bench/serve.py's own reporting, without starting a server."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from script_modules import load_script
+from rmm.bench import serve as bench
 
 
 def test_stage_busy_is_reported_only_for_the_pipelined_stages_of_micro_batching() -> None:
-    bench = load_script("bench_serve")
     fields = {f.name: 0 for f in dataclasses.fields(bench.Row)}
     on = bench.Row(**{**fields, "batching": "on", "prepare_busy": 0.674, "finish_busy": 0.56})
     # without micro-batching many requests encode at once: their summed stage time is no share
@@ -18,7 +17,6 @@ def test_stage_busy_is_reported_only_for_the_pipelined_stages_of_micro_batching(
 
 
 def test_batching_on_slower_than_off_fails_the_bench() -> None:
-    bench = load_script("bench_serve")
     fields = {f.name: 0 for f in dataclasses.fields(bench.Row)}
 
     def row(mode: str, clients: int, rps: float):
@@ -31,7 +29,6 @@ def test_batching_on_slower_than_off_fails_the_bench() -> None:
 
 
 def test_the_bench_names_the_servers_query_engine() -> None:
-    bench = load_script("bench_serve")
     health = {"query_engine": {"engine": "int8", "requested": "auto", "cached": True, "batch_sizes": [1, 16],
                                "ms_per_query": {"float32": {"1": 5.0, "16": 2.0}, "int8": {"1": 2.5, "16": 1.0}},
                                "skipped": {}, "note": ""}}

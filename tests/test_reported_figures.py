@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-from script_modules import SCRIPTS, load_script
 
 from rmm.cli import build_parser, main
 from rmm.cli.common import load_benchmark
@@ -142,13 +141,14 @@ def test_same_question_lift_compares_both_on_the_same_questions() -> None:
 
 
 # -- item 10: the ablation script's baseline on the run's own configuration -------------------------
-def test_ablation_baseline_uses_the_runs_split_k_and_m(tiny_data_dir, monkeypatch) -> None:
-    monkeypatch.syspath_prepend(str(SCRIPTS))  # the script imports its sibling lexical_feature_spread
-    ablations = load_script("reranker_ablations")
+def test_ablation_baseline_uses_the_runs_split_k_and_m(tiny_data_dir) -> None:
+    from rmm.bench import ablations
+
     dataset = load_benchmark(build_parser().parse_args(["eval", "--data-dir", str(tiny_data_dir)]))
     opened = open_retriever("bm25", dataset, "turn", progress=False)
     name, _, extras, cfg = ablations.run_config("wide:k=6,m=2,heldout_fraction=0.5,lexical_init=0.1", {}, None)
-    assert (name, extras, cfg.k, cfg.m, cfg.heldout_fraction) == ("wide", {"lexical_init": 0.1}, 6, 2, 0.5)
+    # lexical_init is an OnlineConfig field now (the learner setting), no longer a run extra
+    assert (name, extras, cfg.k, cfg.m, cfg.heldout_fraction, cfg.lexical_init) == ("wide", {}, 6, 2, 0.5, 0.1)
     table = ablations.alone_table(dataset, opened.retriever, cfg)
     headline = table["headline"]
     assert {"base recall@2", "base recall@6", "base ndcg@2"} <= set(headline) and "base recall@5" not in headline

@@ -1,15 +1,12 @@
-"""scripts/reranker_features.py: the per-candidate features the supervised ceiling study compares."""
+"""rmm/bench/reranker_features.py: the per-candidate features the supervised ceiling study compares."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from reranker_features import (
+from rmm.bench.reranker_features import (
     FEATURE_GROUPS,
     TurnPlace,
     candidate_features,

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_crash_test_script_loses_nothing_acknowledged(minilm_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "crash_test.py"), "--writers", "4", "--readers", "1",
+        [sys.executable, "-m", "rmm.bench.crash", "--writers", "4", "--readers", "1",
          "--seconds", "4", "--rounds", "2", "--sample", "10"],
         check=False, capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=REPO,
     )

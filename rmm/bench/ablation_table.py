@@ -1,7 +1,7 @@
-"""Markdown tables from `scripts/reranker_ablations.py` JSON lines, so no figure is typed by hand.
+"""Markdown tables from `rmm/bench/ablations.py` JSON lines, so no figure is typed by hand.
 
-    python scripts/ablation_table.py docs/results/s3/msc_ablations.jsonl            # prequential rows
-    python scripts/ablation_table.py runs.jsonl --heldout                               # per-category held-out
+    python -m rmm.bench.ablation_table docs/results/s3/msc_ablations.jsonl            # prequential rows
+    python -m rmm.bench.ablation_table runs.jsonl --heldout                               # per-category held-out
 
 Prequential rows give recall@5 of the retriever and of the reranker on the training stream, the
 lift over the stream and over its second half, the candidates' recall@20 (the ceiling), headroom
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("ablation_table")
+log = logging.getLogger("rmm.bench.ablation_table")
 
 
 def pct(value: float | None, signed: bool = False) -> str:

@@ -12,17 +12,17 @@ its second half (after the learner has had half the stream), recall@K of the can
 ceiling), the share of headroom captured, and how often the Gumbel-sampled selection showed a gold
 memory the retriever ranked below M (what the learner can be rewarded for).
 
-    python scripts/reranker_ablations.py --dataset msc --limit 3000 \\
+    python -m rmm.bench.ablations --dataset msc --limit 3000 \\
         --run base --run tau0.5:tau=0.5 --run seq:credit='"sequence"'
 
-`--run NAME[:KEY=JSON,KEY=JSON...]` takes `OnlineConfig` fields, `lexical_init` (w's starting
-value) and `feature` (a hybrid first stage's lexical-feature definition, `FeatureVariant` of
-`scripts/lexical_feature_spread.py`); one JSON line per run goes to `--out`.
+`--run NAME[:KEY=JSON,KEY=JSON...]` takes `OnlineConfig` fields (`lexical_init`: w's starting
+value, among them) and `feature` (a hybrid first stage's lexical-feature definition, `FeatureVariant` of
+`rmm/bench/lexical_spread.py`); one JSON line per run goes to `--out`.
 `candidate_features=false|true` switches the per-candidate features (`rmm.memory.features`) on the
 hybrid first stage and the reranker's weights for them together (default: the library's,
 `LearnerConfig.candidate_features`):
 
-    python scripts/reranker_ablations.py --dataset msc --retriever hybrid --limit 3000 \\
+    python -m rmm.bench.ablations --dataset msc --retriever hybrid --limit 3000 \\
         --run on --run off:candidate_features=false --threads 1
 With `--read-heldout` the whole `rmm train` program runs (held-out scored too): use it once per
 final candidate only. `--alone` scores the retriever alone on the held-out questions of each run's
@@ -41,8 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-# scripts/ is on sys.path when this script runs
-from lexical_feature_spread import FeatureVariant
+from rmm.bench.lexical_spread import FeatureVariant
 from rmm.training.online import Asked, OnlineConfig, OnlineTrainer
 from rmm.training.splits import split_questions
 
@@ -56,12 +55,11 @@ from rmm.eval.retrieval import (
     scorable,
 )
 from rmm.memory.hybrid import HybridRetriever
-from rmm.policy import reranker as reranker_module
 from rmm.policy.learner import recipe_for
 
-log = logging.getLogger("reranker_ablations")
+log = logging.getLogger("rmm.bench.ablations")
 PREFIX = re.compile(r"^what do you know about:\s*", re.IGNORECASE)
-EXTRAS = ("lexical_init", "feature")  # run settings that are not OnlineConfig fields
+EXTRAS = ("feature",)  # run settings that are not OnlineConfig fields
 
 
 class CountingTrainer(OnlineTrainer):
@@ -248,7 +246,6 @@ def main() -> None:
                     f.write(json.dumps(row, default=str) + "\n")
         return
     attach_cache(opened.retriever.encoder)
-    default_lexical_init = reranker_module.LEXICAL_INIT
     log.info("# %s · %s · %s memories · recipe %s · limit %s · load %.1f", args.dataset, args.retriever,
              args.granularity, recipe, args.limit, os.getloadavg()[0])
     featured = [spec for spec in args.run or [] if "feature" in parse_run(spec)[1]]
@@ -257,10 +254,8 @@ def main() -> None:
                          "or bm25:DENSE first stage (its candidates carry no lexical feature)")
     for spec in args.run or ["base"]:
         name, overrides, extras, cfg = run_config(spec, recipe, args.limit)
-        # w's starting value is a module constant of the reranker, not an OnlineConfig field
-        reranker_module.LEXICAL_INIT = float(extras.get("lexical_init", default_lexical_init))
         retriever = opened.retriever
-        if "feature" in extras:  # another lexical-feature definition (scripts/lexical_feature_spread.py)
+        if "feature" in extras:  # another lexical-feature definition (rmm/bench/lexical_spread.py)
             retriever = FeatureVariant(retriever, extras["feature"])
         if isinstance(opened.retriever, HybridRetriever):  # the first stage computes what the reranker weighs
             opened.retriever.candidate_features = cfg.candidate_features

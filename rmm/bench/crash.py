@@ -12,8 +12,8 @@ SIGKILL, restarts the server on the same bank and checks that
 
 Prints the counts; exits 1 if anything acknowledged was lost.
 
-    python scripts/crash_test.py                       # 6 writers, 2 readers, kill after 3-6 s
-    python scripts/crash_test.py --writers 16 --seconds 20 --rounds 3
+    python -m rmm.bench.crash                       # 6 writers, 2 readers, kill after 3-6 s
+    python -m rmm.bench.crash --writers 16 --seconds 20 --rounds 3
 """
 
 from __future__ import annotations

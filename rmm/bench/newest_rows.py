@@ -1,7 +1,7 @@
 """Merge held-out JSON-line files so the newest reading of each row wins (ablation_table.py keeps
 every row it is given, so a row read twice would show twice).
 
-    python scripts/newest_rows.py OLD.jsonl ... NEW.jsonl > merged.jsonl
+    python -m rmm.bench.newest_rows OLD.jsonl ... NEW.jsonl > merged.jsonl
 
 A row is (name, dataset, granularity, retriever); a later file (and a later line) replaces an
 earlier one. Each kept row gets a "source" field naming its file; the replaced readings are

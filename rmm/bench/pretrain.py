@@ -33,10 +33,10 @@ shared: each round starts with a different side, and the summary reports medians
 the median of the per-round ratios to sentence-transformers, in wall pairs/s and in pairs per
 CPU-second of this process.
 
-    python scripts/bench_pretrain.py [--steps 10] [--rounds 3] [--baseline auto|trainer|loop]
-    python scripts/bench_pretrain.py --device cuda --random-weights contriever --hard-negatives 1 --steps 30
-    python scripts/bench_pretrain.py ... --merge-passes candidates all   # two rmm sides, one baseline
-    python scripts/bench_pretrain.py --random-weights contriever --hard-negatives 1 --count-ops
+    python -m rmm.bench.pretrain [--steps 10] [--rounds 3] [--baseline auto|trainer|loop]
+    python -m rmm.bench.pretrain --device cuda --random-weights contriever --hard-negatives 1 --steps 30
+    python -m rmm.bench.pretrain ... --merge-passes candidates all   # two rmm sides, one baseline
+    python -m rmm.bench.pretrain --random-weights contriever --hard-negatives 1 --count-ops
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ engine of the table at batch 16. Exits 1 when any engine is more than 10x slower
 any batch (a fast path that is pathological on this CPU: `auto` will not choose it, but it must not
 go unseen), or when auto's engine is more than 10% slower than the fastest at batch 16.
 
-    python scripts/bench_query_encoder.py
-    python scripts/bench_query_encoder.py --batch 1 16 32 --queries 256 --repeats 5
+    python -m rmm.bench.query_encoder
+    python -m rmm.bench.query_encoder --batch 1 16 32 --queries 256 --repeats 5
 """
 
 from __future__ import annotations

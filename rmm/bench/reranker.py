@@ -20,7 +20,7 @@ processes' memory traffic. The update is torch's autograd and fused Adam (`rmm.p
 The rest of a turn is per-op overhead (~70 small torch ops in `select`):
 `--dims 16` shows it alone, the difference to 384 is memory traffic.
 
-    python scripts/bench_reranker.py --dims 384 768 --with-encoder
+    python -m rmm.bench.reranker --dims 384 768 --with-encoder
 
 `--baseline REV` times the reranker of another revision against this tree's in the same run: REV's
 `rmm` and `kernels` exported with `git archive` into a temporary folder, each side a fresh process
@@ -28,7 +28,7 @@ The rest of a turn is per-op overhead (~70 small torch ops in `select`):
 new/old — a ratio on one machine at one time, which a shared machine's load shifts far less than
 either figure.
 
-    python scripts/bench_reranker.py --dims 384 --clock cpu --baseline HEAD~1 --rounds 4
+    python -m rmm.bench.reranker --dims 384 --clock cpu --baseline HEAD~1 --rounds 4
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from rmm.policy.learner import Learner, LearnerConfig, rewards_from_citations
 from rmm.policy.reranker import ResidualLinearReranker
 from rmm.types import Candidates
 
-log = logging.getLogger("bench_reranker")
+log = logging.getLogger("rmm.bench.reranker")
 
 K, M, BATCH = 20, 5, 4
 DEFAULT_SIZES = (600, 10_000)
@@ -169,7 +169,7 @@ def bench_encoder(turns: int, repeats: int) -> float | None:
     return median_us(encode, max(4, turns // 10), repeats)
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 REPORTED = ("explore_select", "update_batch", "turn")
 
 
@@ -195,7 +195,9 @@ def run_side(tree: Path | None, args: argparse.Namespace) -> dict[str, dict[str,
     env.pop("PYTHONPATH", None)
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--dims", *map(str, args.dims),
+    # by path, not `-m` (the baseline tree has no rmm.bench); -P keeps rmm/bench/ off sys.path, where its
+    # module names (kernels, search, …) would shadow installed packages
+    command = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", "--dims", *map(str, args.dims),
                "--turns", str(args.turns), "--repeats", str(args.repeats), "--threads", str(args.threads),
                "--statistic", args.statistic, "--clock", args.clock]
     done = subprocess.run(command, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, check=True)

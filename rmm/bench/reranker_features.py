@@ -1,4 +1,4 @@
-"""Per-candidate features a reranker could weigh beside Eq. 1, for `scripts/reranker_ceiling.py --features`.
+"""Per-candidate features a reranker could weigh beside Eq. 1, for `research/reranker_ceiling.py --features`.
 
 Each feature is one any dialogue memory system has at retrieval time — nothing benchmark-specific:
 where each half of the hybrid first stage ranked the memory, its BM25 score, its cosine, its

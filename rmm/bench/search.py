@@ -13,7 +13,7 @@ Their note gives the single-query speed-up over `torch` (float32) in the same ru
 each query to a random one, so the scanned rows come from memory rather than the cache, as in a
 server with many users (recall is checked on the first):
 
-    python scripts/bench_search.py --sizes 10000 --users 32 --backends torch torch-int8 torch-int4 \
+    python -m rmm.bench.search --sizes 10000 --users 32 --backends torch torch-int8 torch-int4 \
         faiss-sq8 faiss-sq4 torch-auto --threads 1 --queries 400
 
 For each size: random unit-norm float32 vectors (default 384-d, the MiniLM size), build each
@@ -24,7 +24,7 @@ Random uniform-on-the-sphere data is the worst case for approximate indexes (no 
 structure, neighbours barely closer than strangers); `--data clustered` gives a friendlier,
 more embedding-like distribution.
 
-    python scripts/bench_search.py --sizes 10000 100000 1000000 --queries 200
+    python -m rmm.bench.search --sizes 10000 100000 1000000 --queries 200
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Two settings (`--setting`):
   every micro-batch searches many users' 10k-row matrices. Search results are meaningless; the
   cost of every step is not. The server scans 4-bit codes of each matrix (`index_precision: int4`,
   a shortlist re-scored exactly in float32: LoCoMo recall unchanged and no true top-20 member
-  missed in a 5,882-row bank, scripts/recall_index_precision.py; 0.6x int8's bytes, 0.16x
+  missed in a 5,882-row bank, research/recall_index_precision.py; 0.6x int8's bytes, 0.16x
   float32's); `--set index_precision='"int8"'` (or `"float16"`, `"float32"`) compares.
 
 The bench's own bank starts every run without the selections earlier runs left pending (each
@@ -28,10 +28,10 @@ load average, then the batching on / off throughput ratio and both p99s. `--prof
 the server and its query-encoder process with py-spy during each timed run and prints their top
 functions. Exits 1 if any request failed.
 
-    python scripts/bench_serve.py                                # LoCoMo: 1, 8, 32 clients, 8 s each
-    python scripts/bench_serve.py --setting goal --duration 30   # 32 users x 10k memories, 32 clients
-    python scripts/bench_serve.py --setting goal --profile /tmp/prof  # and where the server's time goes
-    python scripts/bench_serve.py --clients 1 16 64 --duration 20 --max-batch 128
+    python -m rmm.bench.serve                                # LoCoMo: 1, 8, 32 clients, 8 s each
+    python -m rmm.bench.serve --setting goal --duration 30   # 32 users x 10k memories, 32 clients
+    python -m rmm.bench.serve --setting goal --profile /tmp/prof  # and where the server's time goes
+    python -m rmm.bench.serve --clients 1 16 64 --duration 20 --max-batch 128
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Markdown table of scripts/lexical_feature_spread.py's JSON lines (so no spread figure is typed).
+"""Markdown table of rmm/bench/lexical_spread.py's JSON lines (so no spread figure is typed).
 
-    python scripts/spread_table.py docs/results/s4/h6/spread_final.jsonl
+    python -m rmm.bench.spread_table docs/results/s4/h6/spread_final.jsonl
 
 Columns: memories, feature definition, training questions, mean per-list spread (max − min over
 the K = 20 candidates) of q·m and of f, mean f(rank 1) − f(rank 5), and recall@5 of the first

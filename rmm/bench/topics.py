@@ -16,8 +16,8 @@ outputs can be compared field by field):
 The order of the builds rotates between conversations, so a change in machine load hurts no
 side more than another:
 
-    python scripts/bench_topics.py                      # 3 conversations, minilm
-    python scripts/bench_topics.py --conversations 10 --threads 1 --json bench_topics.json
+    python -m rmm.bench.topics                      # 3 conversations, minilm
+    python -m rmm.bench.topics --conversations 10 --threads 1 --json bench_topics.json
 
 Timings cover the build only (not loading the model): wall seconds, and the process's CPU seconds,
 which on a shared machine follow the work done more closely (with `--threads 1` no thread spins
@@ -38,8 +38,8 @@ import time
 from io import BytesIO
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SPED_UP_IN = "scripts/bench_topics.py"  # added with the speed-up: its parent commit is the baseline
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
+SPED_UP_IN = "scripts/bench_topics.py"  # this module's first path, added with the speed-up: its parent is the baseline
 SIDES = ("old", "new", "warm")
 
 
@@ -105,7 +105,8 @@ def worker(conversation: str, encoder_name: str, out: Path, root: Path, threads:
 def build(side: str, root: Path, conversation: str, args: argparse.Namespace, scratch: Path) -> dict:
     out = scratch / f"{side}-{conversation}.json"
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, __file__, "--worker", conversation, "--encoder", args.encoder, "--out", str(out),
+    # by path, not `-m` (the old tree has no rmm.bench); -P keeps rmm/bench/ off sys.path
+    command = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", conversation, "--encoder", args.encoder, "--out", str(out),
                "--root", str(root), *(["--threads", str(args.threads)] if args.threads else []),
                "--side", side]
     subprocess.run(command, env=env, check=True, cwd=scratch)

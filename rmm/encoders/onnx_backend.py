@@ -1,10 +1,10 @@
 """An encoder's forward pass (transformer → pooling → head → norm) as an ONNX graph for ONNX Runtime.
 
 Why only as an int8 graph for queries: measured on all-MiniLM-L6-v2 at one CPU thread
-(`scripts/bench_onnx_encoder.py`), ONNX Runtime's float32 is 1.0-1.14x torch's oneDNN path on the
+(`research/bench_onnx_encoder.py`), ONNX Runtime's float32 is 1.0-1.14x torch's oneDNN path on the
 topic fallback's texts — not worth a second code path for passages. The server's int8 query
 scheme (one activation scale per token, see `rmm.encoders.query.precision`) as an ONNX graph keeps its
-recall and batch invariance (`scripts/recall_onnx_query_batching.py`) and costs ~2.1x less CPU
+recall and batch invariance (`research/recall_onnx_query_batching.py`) and costs ~2.1x less CPU
 than torch for a query alone (torch's per-module overhead dominates one short sequence), 1.1-1.2x
 less in micro-batches of 32. ONNX Runtime's own dynamic quantization is not used: its one
 activation scale per tensor makes a query's vector depend on the rest of its batch (68 % of

@@ -4,7 +4,7 @@ Why: the same texts are encoded again and again by one user's commands. `rmm eva
 turn topic` encodes every turn for the turn bank and then again for the topic bank's segmentation;
 a topic bank rebuilt with other reflector settings re-encodes every topic that comes out the same;
 a merged topic whose text was already past `max_length` reads the same tokens as before; a script
-that runs many trainings over one benchmark (`scripts/reranker_ablations.py`) searches the same
+that runs many trainings over one benchmark (`rmm/bench/ablations.py`) searches the same
 questions in every run. A cache keyed by the token ids (after the prefix and the truncation, so
 two texts that the model cannot tell apart share an entry) answers all of these without running
 the model. Queries and passages share it: a query's ids include its prefix or instruction, so a

@@ -5,12 +5,12 @@ knows more than that — where each half ranked a memory, BM25's score, the cosi
 candidates', the memory's length, and how many of the query's content words it holds. Each is a
 number any dialogue memory system has at retrieval time (nothing benchmark-specific) on a fixed
 scale (no learned normalisation), so a weight learned on one user carries to the next. The set
-(`CANDIDATE_FEATURES`) was chosen on training data only (`scripts/reranker_ceiling.py --features`,
-`scripts/reranker_online_features.py`; docs/results/s4/h3/design_note.md). The reranker weighs them
+(`CANDIDATE_FEATURES`) was chosen on training data only (`research/reranker_ceiling.py --features`,
+`research/reranker_online_features.py`; docs/results/s4/h3/design_note.md). The reranker weighs them
 as `features @ feature_weight` (`rmm.policy.reranker`), `feature_weight` starting at 0, so adding
 them never changes an untrained ranking.
 
-Pure functions over plain lists, shared with the research scripts (`scripts/reranker_features.py`).
+Pure functions over plain lists, shared with the research scripts (`rmm/bench/reranker_features.py`).
 """
 
 from __future__ import annotations

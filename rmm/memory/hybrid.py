@@ -8,7 +8,7 @@ Fusion is reciprocal-rank fusion by default (`score(d) = Σ_r 1 / (rrf_k + rank_
 1, Cormack et al. 2009), with rrf_k = 10. `fusion="convex"` is the alternative: per query, each
 retriever's scores are min-max normalised over its own top list (a document a retriever did not
 return gets 0 from it) and mixed as `alpha · dense + (1 − alpha) · lexical`. On LoCoMo's training
-conversations (`scripts/choose_fusion.py`, MiniLM) the best of each tie within half a point
+conversations (`research/choose_fusion.py`, MiniLM) the best of each tie within half a point
 (R@5 / R@20: RRF k=10 48.2 / 67.4, convex α=0.5 48.7 / 67.3); RRF is the default because it reads
 ranks only, so it needs no calibration between cosines, dot products and BM25's per-query scale
 and carries to encoders and benchmarks it was not chosen on. `docs/results.md` has the figures.
@@ -28,8 +28,8 @@ evidence into a narrow band. On LoCoMo's training conversations, with w0 = 0.3, 
 (scaled by its largest value or over the depth list) left the reranker ordering ~20-turn session
 memories nearly by cosine, 14–19 points of recall@5 below the first stage; BM25's scaled score
 makes `q·m + w0·f` a convex mix of dense and lexical evidence that starts and stays above the fused
-order at turn, session and topic granularity (`scripts/lexical_feature_spread.py`,
-`scripts/reranker_ablations.py`, `docs/results.md`). A fixed depth, not K,
+order at turn, session and topic granularity (`rmm/bench/lexical_spread.py`,
+`rmm/bench/ablations.py`, `docs/results.md`). A fixed depth, not K,
 sets the scale, so the same memory has the same feature whatever K is.
 
 `fusion="lexical"` fuses nothing: the ranking is BM25's alone (same ids, same order, same scores

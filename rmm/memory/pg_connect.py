@@ -57,7 +57,7 @@ _CONNECT_TIMEOUT_S = 10
 # The learner lease's keepalives (rmm/serve/learner_lease.py): a dead peer is noticed in ~11 s.
 _POOL_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
 # psycopg_pool retries a lost connection after 1, 2, 4, 8 … s (doubling until `reconnect_timeout`,
-# 300 s): after a 150 s outage `rmm serve` answered 503 for 110 s more (scripts/pg_outage.py), until
+# 300 s): after a 150 s outage `rmm serve` answered 503 for 110 s more (rmm/bench/pg_outage.py), until
 # its next try. Capped, a returning server is reached within this many seconds (0.3 s measured).
 RECONNECT_MAX_DELAY_S = 2.0
 _MIGRATION_TABLE = "_yoyo_migration"

@@ -13,7 +13,7 @@ Private kernels against public ones (issue 37): a private kernel stays only wher
 1.3x faster than faiss's scalar-quantised index of the same bits with re-ranking (the best 2k+8
 re-scored, `IndexRefineFlat`), one query at a time over 32 users' 10k-row banks, one thread:
 
-    python scripts/bench_search.py --sizes 10000 --users 32 --backends torch torch-int8 torch-int4 \\
+    python -m rmm.bench.search --sizes 10000 --users 32 --backends torch torch-int8 torch-int4 \\
         faiss-sq8 faiss-sq4 --threads 1 --queries 400
 
 On an Intel Xeon with AMX (2 shared cores, load 3.3-3.8, three runs, p50 ms per query; torch

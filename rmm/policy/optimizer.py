@@ -24,7 +24,7 @@ __all__ = ["FEATURE_LR_SCALE", "LEXICAL_LR_SCALE", "OptimizerStepError", "make_o
 LEXICAL_LR_SCALE = 1.0
 # The candidate feature weights' step (and the lexical weight's beside them) relative to lr. Adam moves each
 # about lr per step, so at the matrices' 3e-4 the scalar weights hardly leave their start in a run; the
-# online prototype (scripts/reranker_online_features.py, training users only) learned them at 3e-3 vs 3e-4:
+# online prototype (research/reranker_online_features.py, training users only) learned them at 3e-3 vs 3e-4:
 # MSC limit 3000, all features at ×1 −0.3, at ×10 +1.3 R@5 (docs/results/s4/h3/design_note.md).
 FEATURE_LR_SCALE = 10.0
 
@@ -40,7 +40,7 @@ def param_groups(reranker: ResidualLinearReranker, lr: float) -> list[dict[str, 
     a parameter about lr per step whatever its gradient: at lr 3e-4 w travels at most ~0.1 in a
     LoCoMo training stream, so its start matters more than its step there). With candidate features
     the lexical weight and the feature weights share one group at `FEATURE_LR_SCALE × lr`: the recipe
-    chosen on training streams (`scripts/reranker_online_features.py`) had w in that group, and over
+    chosen on training streams (`research/reranker_online_features.py`) had w in that group, and over
     candidates without features both get zero gradient, so the coupling changes nothing there."""
     groups: list[dict[str, Any]] = [{"params": [reranker.W_q.weight, reranker.W_m.weight]}]
     if reranker.feature_weight is not None:

@@ -54,7 +54,7 @@ _running_apps = 0  # apps of this process between start-up and shutdown: the las
 def _freeze_start_up_objects() -> None:
     """The ~400k objects of the imports and the start-up live as long as the server: moved out of
     the collector's sight, so an automatic full collection no longer walks them all (a 200 ms pause
-    of every thread, a few times a minute under load: scripts/bench_serve.py's p99)."""
+    of every thread, a few times a minute under load: rmm/bench/serve.py's p99)."""
     global _running_apps
     with _freeze_lock:
         gc.collect()

@@ -8,7 +8,7 @@ one, since they read the same input). Only attention looks across tokens, and it
 sequences of each exact length together, with no mask. Compared with padding each query to a
 multiple of 8 and running one forward per padded length, this does less arithmetic (no pad
 tokens), bigger matmuls and one pass through the layers per micro-batch
-(`scripts/bench_query_encoder.py` measures it).
+(`rmm/bench/query_encoder.py` measures it).
 
 A query's numbers depend only on its own tokens: every row of a matmul, a layer norm or the GELU
 is computed alone, and attention over L tokens is the same call for a query alone or beside

@@ -4,7 +4,7 @@ Under load the server's time goes mostly to encoding queries (a MiniLM forward p
 micro-batch). Running the transformer's linear layers in int8 (weights per output channel,
 activations quantized on the fly, integer matmul) roughly halves that on a CPU. Only queries
 take this path: passages — what the bank stores — are still encoded in float32, so a bank is
-served the same with or without it and nothing stored changes. `scripts/recall_query_encoder.py`
+served the same with or without it and nothing stored changes. `research/recall_query_encoder.py`
 measures what it costs in recall on LoCoMo (`configs/serve.yaml` quotes the figure).
 
 Activations are quantized *per token* (one scale per row), not per tensor as torch's dynamic
@@ -14,7 +14,7 @@ a batch of 32 LoCoMo questions), so a request's ranking changed with whoever els
 With a scale per row the integer matmul (`torch._int_mm`, exact) sees the same numbers for a
 query whatever its batch; what is left is float rounding of the attention over padded lengths
 (as float32 has), which can flip an activation's rounding to int8 now and then
-(`scripts/recall_query_batching.py` measures both against float32 and alone vs batched).
+(`research/recall_query_batching.py` measures both against float32 and alone vs batched).
 
 The engines (`QUERY_ENGINES`): `float32` (the encoder itself); `int8` (torch, the packed forward
 of `rmm.encoders.query.packed_bert` for a plain BERT, else padded; every linear on the portable

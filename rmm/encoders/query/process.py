@@ -5,7 +5,7 @@ again. In the server the other threads (the event loop parsing requests, the sta
 reranks and stores selections) hold the GIL between their own ops, so every retake of the encoder
 waits for them: an encoder that needs 26 ms for 16 queries alone took 42 ms in the server, and
 with one pure-Python thread beside it, seconds. In its own process the encoder has its own GIL and
-the server's two pipeline stages really run on two cores (`scripts/bench_serve.py`).
+the server's two pipeline stages really run on two cores (`rmm/bench/serve.py`).
 
 The child loads the same encoder (by the config's name or folder) with the same query path and
 thread count, so a query's vector is the one the server would compute in-process (the start-up
@@ -15,7 +15,7 @@ encoded by the server's own encoder.
 The calling thread talks to the child over one pipe: it sends the texts and blocks on the answer
 with the GIL released, so a round trip costs the server one GIL handoff. (A process pool needs
 three — its feeder thread, its result thread, then the caller — and each waits for whichever thread
-holds the GIL. In `scripts/bench_serve.py --setting goal` the encoding stage was busy 97 % of the
+holds the GIL. In `python -m rmm.bench.serve --setting goal` the encoding stage was busy 97 % of the
 time while the child computed 73 % with a pool, and 87 % vs 75 % over the pipe.) A child found dead before a
 call is replaced first; one that dies during a call fails that call with `EncoderUnavailableError`
 (503), and the next call starts a new one.
