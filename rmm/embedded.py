@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 from rmm.errors import ConfigError
 from rmm.memory.storage import is_database_url
 from rmm.serve.errors import BadRequestError
-from rmm.serve.records import FeedbackResult, NewMemory, QueryError, RetrieveItem, RetrieveResult
+from rmm.serve.records import FeedbackResult, NewMemory, RetrieveItem, RetrieveResult
 from rmm.types import MEMORY_KINDS, Turn
 from rmm.types import Memory as MemoryRecord
 
@@ -210,19 +210,9 @@ class Memory:
         items = [self._item(q, i) for i, q in enumerate(queries)]
         if not items:
             return []
-        answers = self.service.retrieve_batch(items)
-        if all(isinstance(a, BaseException) for a in answers):
-            raise answers[0]  # type: ignore[misc]
-        from rmm.serve.http_errors import classify
+        from rmm.serve.http_errors import per_query_results
 
-        results = []
-        for item, answer in zip(items, answers):
-            if isinstance(answer, BaseException):
-                status, code, detail = classify(answer)
-                answer = RetrieveResult(user=item.user, query=item.query, selection_id=None, explore=item.explore,
-                                        expires_at=None, memories=[], error=QueryError(status, code, detail))
-            results.append(answer)
-        return results
+        return per_query_results(items, self.service.retrieve_batch(items))
 
     def retrieve_one(self, user: str, query: str, *, k: int | None = None, m: int | None = None,
                      explore: bool | None = None) -> RetrieveResult:

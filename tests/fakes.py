@@ -18,6 +18,16 @@ DIM = 64
 Reply = str | Callable[[str], str]
 
 
+class FakeClock:
+    """A clock that moves only when told (`now += seconds`): timings a test decides."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class BagOfWordsEncoder:
     """Hashes words longer than three letters into DIM buckets: shared words → similar vectors."""
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import FakeClock
 
 from rmm.memory.index import TorchIndex
 from rmm.memory.scan_choice import BATCH_SIZES, PROBE_MAX_ROWS, PROBE_MIN_ROWS, ScanChooser, measured_batch, probe_rows
@@ -24,14 +25,6 @@ def one_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class StandInScan(ExactScan):

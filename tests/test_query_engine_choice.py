@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import BagOfWordsEncoder
+from fakes import BagOfWordsEncoder, FakeClock
 
 from rmm.encoders.query import choice as choice_module
 from rmm.encoders.query.choice import PROBE_QUERIES, SLOW_FACTOR, choose_query_engine, probe_batch_sizes
@@ -21,14 +21,6 @@ from rmm.encoders.query.precision import QUERY_ENGINES
 from rmm.errors import ConfigError
 
 SIZES = (1, 16, 32)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeTransformer(BagOfWordsEncoder):

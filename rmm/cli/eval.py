@@ -226,12 +226,17 @@ def report_figures(report: Any, questions: str = "") -> Figures:
                               + _of(questions),
                       columns=["category", "n", *(short for _, short in metrics)])
 
+    _category_rows(figures, report, _metric_cells(report, [m for m, _ in metrics]))
+    return figures
+
+
+def _metric_cells(report: Any, metrics: list[str]) -> Any:
+    """The cells of a category's row (`None`: overall): each metric's figure, in order."""
     def cells(cat: str | None) -> list[str]:
         row = report.overall if cat is None else report.by_category[cat]
-        return [fmt(row.get(m)) for m, _ in metrics]
+        return [fmt(row.get(m)) for m in metrics]
 
-    _category_rows(figures, report, cells)
-    return figures
+    return cells
 
 
 def turn_budget_figures(report: Any, questions: str = "") -> Figures:
@@ -243,11 +248,7 @@ def turn_budget_figures(report: Any, questions: str = "") -> Figures:
                       caption=f"R@K = fractional recall of the top K memories; {TURNS_NOTE}" + _of(questions),
                       columns=["category", "n", *(short for _, short in metrics)])
 
-    def cells(cat: str | None) -> list[str]:
-        row = report.overall if cat is None else report.by_category[cat]
-        return [fmt(row.get(m)) for m, _ in metrics]
-
-    _category_rows(figures, report, cells)
+    _category_rows(figures, report, _metric_cells(report, [m for m, _ in metrics]))
     return figures
 
 

@@ -43,6 +43,7 @@ from rmm.serve.errors import (
     UnknownJobError,
     UnknownSelectionError,
 )
+from rmm.serve.records import QueryError, RetrieveItem, RetrieveResult
 from rmm.serve.schemas import valid_unicode
 
 __all__ = ["MAX_DETAIL_CHARS", "ErrorBoundary", "classify", "error_response", "install_error_handlers", "json_error",
@@ -112,6 +113,23 @@ def error_response(exc: BaseException) -> JSONResponse:
     """The answer to a typed error; an unexpected one is logged and answered 500 without details."""
     status, code, detail = classify(exc)
     return json_error(status, code, detail)
+
+
+def per_query_results(items: list[RetrieveItem], answers: list[RetrieveResult | BaseException]
+                      ) -> list[RetrieveResult]:
+    """A batch's answers with each failed query as a result carrying its own `error` (status, code,
+    capped detail), the server's and the embedded API's one rule; when every query failed, the
+    first failure is raised (a batch of one answers as a single request would)."""
+    if all(isinstance(a, BaseException) for a in answers):
+        raise answers[0]  # type: ignore[misc]
+    results = []
+    for item, answer in zip(items, answers):
+        if isinstance(answer, BaseException):
+            status, code, detail = classify(answer)
+            answer = RetrieveResult(user=item.user, query=item.query, selection_id=None, explore=item.explore,
+                                    expires_at=None, memories=[], error=QueryError(status, code, shorten(detail)))
+        results.append(answer)
+    return results
 
 
 def shorten(detail: str) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from rmm.serve.deps import API_PREFIX, Limits, Retrievals, Service, Telemetry, Tenant
-from rmm.serve.http_errors import classify, shorten
-from rmm.serve.records import QueryError, RetrieveItem, RetrieveResult
+from rmm.serve.http_errors import per_query_results
+from rmm.serve.records import RetrieveItem
 from rmm.serve.schemas import RetrieveIn, RetrieveOut
 
 __all__ = ["router"]
@@ -37,13 +37,4 @@ async def retrieve(body: RetrieveIn, tenant: Tenant, service: Service, batcher: 
                                   explore=config.explore if q.explore is None else q.explore))
     answers = await batcher.submit_each(items)
     metrics.queries.inc(len(answers))
-    if all(isinstance(a, BaseException) for a in answers):
-        raise answers[0]  # type: ignore[misc]
-    results = []
-    for item, answer in zip(items, answers):
-        if isinstance(answer, BaseException):
-            status, code, detail = classify(answer)
-            answer = RetrieveResult(user=item.user, query=item.query, selection_id=None, explore=item.explore,
-                                    expires_at=None, memories=[], error=QueryError(status, code, shorten(detail)))
-        results.append(answer)
-    return RetrieveOut(results=results)
+    return RetrieveOut(results=per_query_results(items, answers))
