@@ -14,7 +14,7 @@ import sys
 
 from rich.markup import escape
 
-from rmm.cli import chat, data, eval_controller, eval_qa, llm, logs, pretrain, serve, train
+from rmm.cli import chat, data, eval_controller, eval_qa, llm, logs, ope, pretrain, serve, train
 from rmm.cli import eval as eval_command
 from rmm.cli.arguments import CheckedParser
 from rmm.cli.common import console
@@ -23,7 +23,7 @@ from rmm.errors import RmmError
 __all__ = ["build_parser", "main"]
 
 # In the order `rmm --help` lists them.
-COMMANDS = (eval_command, chat, eval_qa, eval_controller, train, pretrain, serve, llm, data)
+COMMANDS = (eval_command, chat, eval_qa, eval_controller, train, pretrain, serve, ope, llm, data)
 
 
 def build_parser() -> argparse.ArgumentParser:
