@@ -9,6 +9,14 @@ For every question of the training conversations, in dialogue order:
 After training, held-out questions are scored greedily, beside the retriever alone on the same
 questions (`rmm.training.splits` says which questions train and which are held out).
 
+Questions without gold turn ids (your own logs, rmm's dataset format) still train the reranker
+when the citer is a real generator: its citations are the rewards, and nothing in an update reads
+gold. They get no prequential scores (recall needs gold), are not held out (nothing to measure
+there), and the report measures them by what needs no gold: the cited ratio, the reward per shown
+slot and the learning curve of rewards (`online_report.reward_figures`). The simulated citer
+cites from the gold, so with it they are left out (counted). In per-user mode the cut by dialogue
+time is placed by the gold's sessions, so there too they are left out.
+
 The citer is the simulated one (synchronous) or a real generator (`rmm.training.generation`),
 which `rmm.training.stream` keeps busy with many questions in flight: rewards then arrive out of
 order while the learner keeps updating, and each selection's own behaviour log-probability lets
@@ -161,7 +169,16 @@ class OnlineTrainer:
         self.kind = citer_kind(cfg.citer)
         self.llm, self._owns_llm = llm, False
         self.scorer = GoldScorer.for_dataset(dataset, "turn")
-        self.split = split_questions(dataset, scorable(dataset.questions, self.scorer), cfg)
+        self.with_gold = scorable(dataset.questions, self.scorer)
+        # a real generator's citations need no gold; the simulated citer and the per-user cut do
+        self.gold_free = ([] if self.kind == "simulated" or cfg.per_user else
+                          [q for q in dataset.questions if not q.abstention and not self.scorer.gold(q)])
+        usable = {q.id for q in self.with_gold} | {q.id for q in self.gold_free}
+        split = split_questions(dataset, [q for q in dataset.questions if q.id in usable], cfg)
+        # held out means measured, and only gold measures: a held-out user's gold-free questions are unused
+        self.heldout_without_gold = sum(1 for q in split.heldout if not self.scorer.gold(q))
+        split.heldout = [q for q in split.heldout if self.scorer.gold(q)]
+        self.split = split
         if cfg.candidate_features and getattr(bank, "candidate_features", None) is False:
             log.warning("the rerankers weigh candidate features but this hybrid first stage computes none "
                         "(HybridRetriever(candidate_features=True), or candidate_features=false)")
@@ -178,6 +195,9 @@ class OnlineTrainer:
         self._recorded: set[str] = set()  # keys whose checkpoints state.json vouches for
         self.rows: dict[str, dict[str, dict[str, float]]] = {"retriever": {}, "reranker": {}}
         self.cited_ratio: list[float] = []
+        self.mean_reward: list[float] = []  # per rewarded question, in delivery order (the reward curve)
+        self.rewarded_gold: list[bool] = []  # per rewarded question: whether it has gold turn ids
+        self.slots: dict[str, list[float]] = {"reward": [], "cited": [], "shown": []}  # sums per shown position
         self.stats = GenerationStats()
         self.staleness = {"updates": 0, "sum": 0, "max": 0}
         self._delayed: dict[str, deque[tuple[Asked, list[float]]]] = defaultdict(deque)
@@ -267,7 +287,7 @@ class OnlineTrainer:
         cand = self.cands[q.id]
         learner = self.learner_for(q.user_id)
         rows = {}
-        if epoch == 0:
+        if epoch == 0 and self.scorer.gold(q):  # prequential scores need gold; a gold-free question has none
             rows = {"retriever": self.score(cand, list(range(len(cand))), q),
                     "reranker": self.score(cand, self.greedy(cand, q.user_id), q)}
         generator = torch.Generator().manual_seed(_seed(self.cfg.seed, epoch, q.id))
@@ -309,12 +329,24 @@ class OnlineTrainer:
             self.rows[name][asked.question.id] = row
         if rewards is not None:
             self.cited_ratio.append(sum(r > 0 for r in rewards) / max(len(rewards), 1))
+            self.mean_reward.append(sum(rewards) / max(len(rewards), 1))
+            self.rewarded_gold.append(bool(self.scorer.gold(asked.question)))
+            self._count_slots(rewards)
         self._settled = True
         if self.wandb_run is not None and rewards is not None:
             self.wandb_run.log({"cited_ratio": self.cited_ratio[-1], "epoch": asked.epoch,
                                 **({"loss": loss} if loss is not None else {})})
         if self.output_dir and len(self.done) - self._saved_at >= self.cfg.checkpoint_every:
             self._checkpoint()
+
+    def _count_slots(self, rewards: list[float]) -> None:
+        """Add one selection's rewards to the sums per shown position (the order the generator saw)."""
+        for name in ("reward", "cited", "shown"):
+            self.slots[name] += [0.0] * (len(rewards) - len(self.slots[name]))
+        for position, reward in enumerate(rewards):
+            self.slots["reward"][position] += reward
+            self.slots["cited"][position] += reward > 0
+            self.slots["shown"][position] += 1
 
     def drain(self) -> None:
         """End of the stream: every delayed reward is delivered, every buffer updates."""
@@ -421,7 +453,9 @@ class OnlineTrainer:
         self._account()
         self.learners.save()  # those that learned since the last checkpoint
         state = {"version": STATE_VERSION, "done": self.done.to_json(), "rows": self.rows,
-                 "cited_ratio": self.cited_ratio, "stats": asdict(self.stats), "staleness": self.staleness,
+                 "cited_ratio": self.cited_ratio, "mean_reward": self.mean_reward,
+                 "rewarded_gold": self.rewarded_gold, "slots": self.slots,
+                 "stats": asdict(self.stats), "staleness": self.staleness,
                  "learners": {k: learner_progress(lr) for k, lr in self.learners.items()},
                  "config": self.cfg.resumable_as()}
         atomic_write_json(self.output_dir / "state.json", state)
@@ -438,6 +472,9 @@ class OnlineTrainer:
             raise ConfigError(f"{self.output_dir} holds a run with a different configuration; "
                               "use another --output directory or the same settings")
         self.done, self.rows, self.cited_ratio = Done.from_json(state["done"]), state["rows"], state["cited_ratio"]
+        # a run checkpointed before these were kept: its reward figures cover what came after
+        self.mean_reward, self.rewarded_gold = state.get("mean_reward", []), state.get("rewarded_gold", [])
+        self.slots = state.get("slots", self.slots)
         self.stats, self.staleness = GenerationStats(**state["stats"]), state["staleness"]
         self._recorded, self._saved_at = set(state["learners"]), len(self.done)
         for key, progress in state["learners"].items():

@@ -10,6 +10,11 @@ captured. R@T (`recall_turns@T`, recall within T dialogue turns) walks the same 
 so runs over memories of different sizes (turn, topic, session) compare at equal text shown. How
 learning went is told on the same questions for both (`same_question_lift`): the
 retriever alone and the reranker over the first and the last tenth of the training stream.
+
+What needs no gold (`reward_figures`, the report's `rewards`): the cited ratio, the reward per
+shown slot, and the learning curve of rewards over every rewarded question, gold or not. It is
+what a run on questions without gold turn ids (a real generator's citations) can be judged by;
+recall, nDCG and the headroom cover only the questions with gold.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from rmm.types import Dataset, Question
 if TYPE_CHECKING:
     from rmm.training.online import OnlineTrainer
 
-__all__ = ["OnlineReport", "build_report", "headline", "headline_questions", "headroom", "same_question_lift",
-           "split_summary", "turn_budget_metrics"]
+__all__ = ["OnlineReport", "build_report", "headline", "headline_questions", "headroom", "reward_figures",
+           "same_question_lift", "split_summary", "turn_budget_metrics"]
 
 Rows = dict[str, dict[str, float]]  # question id → metric → value
 # Figures that vary from run to run; a simulated run's report leaves them out, so it is repeatable.
@@ -58,6 +63,7 @@ class OnlineReport:
     split_users: dict[str, list[str]] = field(default_factory=dict)  # "train" / "heldout" → every user id
     questions: dict[str, int] = field(default_factory=dict)  # the dataset's, scorable, training, held-out
     same_questions: dict[str, Any] = field(default_factory=dict)  # `same_question_lift` of the training stream
+    rewards: dict[str, Any] = field(default_factory=dict)  # `reward_figures`: what is measured without gold
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +160,40 @@ def headroom(report: OnlineReport) -> dict[str, Any]:
     return out
 
 
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def reward_figures(trainer: OnlineTrainer, share: float = 0.1) -> dict[str, Any]:
+    """What the citations say without gold: the cited ratio (all rewarded questions, and those
+    with and without gold apart), the mean reward and cited ratio at each shown slot (position 0 is
+    the reranker's first pick), the running mean of the per-question mean reward over the stream
+    (the learning curve), and its first and last `share`. Different questions fill the two
+    windows, so a change there is a hint, not a same-question lift (recall on gold says that)."""
+    rewards, gold = trainer.mean_reward, trainer.rewarded_gold
+    slots = trainer.slots
+    n = max(1, int(len(rewards) * share)) if rewards else 0
+    cited = trainer.cited_ratio[-len(gold):] if gold else []
+    with_gold = [c for c, g in zip(cited, gold) if g]
+    without = [c for c, g in zip(cited, gold) if not g]
+    return {
+        "rewarded": len(rewards),
+        "rewarded_without_gold": len(without),
+        "cited_ratio": _mean(trainer.cited_ratio),
+        "cited_ratio_with_gold": _mean(with_gold),
+        "cited_ratio_without_gold": _mean(without),
+        "reward_per_slot": [r / c if c else None for r, c in zip(slots["reward"], slots["shown"])],
+        "cited_per_slot": [r / c if c else None for r, c in zip(slots["cited"], slots["shown"])],
+        "reward_curve": running_mean(rewards),
+        "mean_reward_first": _mean(rewards[:n]), "mean_reward_last": _mean(rewards[-n:]) if n else None,
+        "window": n,
+        "without_gold_trained": len({q.id for _, q in trainer.stream if not trainer.scorer.gold(q)}),
+        "without_gold_heldout_unused": trainer.heldout_without_gold,
+        "recall": ("recall, nDCG and the headroom need gold turn ids: they cover the "
+                   f"{len(trainer.with_gold)} questions with gold only"),
+    }
+
+
 def build_report(trainer: OnlineTrainer) -> OnlineReport:
     """Score the held-out questions with the trained reranker(s) and assemble the whole report."""
     cfg, split = trainer.cfg, trainer.split
@@ -196,9 +236,11 @@ def build_report(trainer: OnlineTrainer) -> OnlineReport:
         split_summary=split_summary(split, cfg.per_user),
         split_users={"train": list(split.train_users), "heldout": list(split.heldout_users)},
         questions={"dataset": len(trainer.dataset.questions),
-                   "scorable": len(split.train) + len(split.heldout) + len(split.dropped),
+                   "scorable": len(trainer.with_gold),
+                   "without_gold_trained": len({q.id for _, q in trainer.stream if not trainer.scorer.gold(q)}),
                    "train": len(train_qs), "heldout": len(split.heldout), "dropped": len(split.dropped)},
         same_questions=same_question_lift(trainer.rows, headline_stream, metric),
+        rewards=reward_figures(trainer),
     )
     report.headroom = headroom(report)
     return report

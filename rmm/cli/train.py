@@ -160,9 +160,15 @@ def run(args: argparse.Namespace) -> int:
                                   "reranker_heldout": report.reranker_heldout, "generation": report.generation})
         wandb_run.finish()
     label = args.retriever if args.granularity == "turn" else f"{args.retriever} ({args.granularity} memories)"
-    print_figures(train_figures(report, label, question_set(dataset, args.no_dedup)), console)
+    if report.questions.get("scorable", 1):
+        print_figures(train_figures(report, label, question_set(dataset, args.no_dedup)), console)
+    else:  # a table of nan: nothing in it can be measured
+        console.print(f"no recall table: none of the {len(dataset.questions):,} questions has gold turn ids "
+                      f"({report.questions.get('without_gold_trained', 0):,} trained from the citations alone)",
+                      highlight=False)
     _print_same_questions(report.same_questions, len(report.cited_ratio), elapsed)
     _print_generation(report)
+    _print_rewards(report)
     console.print(f"[dim]{escape(report.split_summary)}[/dim]")
     write_json(args.json, {**report.to_json(), "granularity": args.granularity})
     if args.plot:
@@ -265,8 +271,11 @@ def _train_caption(report: Any, k: int | None, m: int, questions: str) -> str:
         used = (f"{counts['train']:,} training questions (prequential: each scored before its own update) and "
                 f"{counts['heldout']:,} held out")
         unscorable = counts["dataset"] - counts["scorable"]
-        if unscorable:
-            used += f"; {unscorable} without gold evidence left out"
+        trained = counts.get("without_gold_trained", 0)
+        if trained:
+            used += f"; {trained:,} without gold evidence trained from the citations alone (no recall on them)"
+        if unscorable - trained:
+            used += f"; {unscorable - trained:,} without gold evidence left out"
         if counts.get("dropped"):
             used += f"; {counts['dropped']:,} dropped by the split"
         parts.append(f"{questions}: {used}" if questions else used)
@@ -288,6 +297,30 @@ def _print_same_questions(lift: dict[str, Any], steps: int, elapsed: float) -> N
     console.print(f"prequential {lift['metric']} on the same questions — first {lift['questions']} of the stream: "
                   f"{window('first')}; last {lift['questions']}: {window('last')}   ({steps} steps, {elapsed:.0f}s)",
                   highlight=False)
+
+
+def _print_rewards(report: Any) -> None:
+    """What a real generator's citations say without gold (`rmm.training.online_report.reward_figures`):
+    the cited ratio, the reward per shown slot, the reward curve's first and last stretch; and that
+    recall needs gold. The simulated citer cites from the gold, so its run prints none of this."""
+    r = report.rewards
+    if report.generation.get("kind", "simulated") == "simulated" or not r or not r["rewarded"]:
+        return
+
+    def pct(value: float | None) -> str:
+        return "n/a" if value is None else f"{100 * value:.1f}%"
+
+    def num(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:+.3f}"
+
+    split = (f" (with gold {pct(r['cited_ratio_with_gold'])}, without {pct(r['cited_ratio_without_gold'])})"
+             if r["rewarded_without_gold"] else "")
+    console.print(f"rewards, measured without gold over {r['rewarded']} rewarded questions "
+                  f"({r['rewarded_without_gold']} without gold): cited ratio {pct(r['cited_ratio'])}{split}; "
+                  f"reward per shown slot {' '.join(num(v) for v in r['reward_per_slot'])}; mean reward, first "
+                  f"{r['window']} {num(r['mean_reward_first'])} → last {r['window']} {num(r['mean_reward_last'])}",
+                  highlight=False, markup=False)
+    console.print(escape(r["recall"]), style="dim")
 
 
 def _print_generation(report: Any) -> None:

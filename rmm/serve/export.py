@@ -29,7 +29,7 @@ from rmm.types import Memory, Session, Turn
 if TYPE_CHECKING:
     from rmm.serve.service import RetrievalService
 
-__all__ = ["EXPORT_DATA", "EXPORT_MANIFEST", "EXPORT_RERANKER", "export_user", "import_user"]
+__all__ = ["EXPORT_DATA", "EXPORT_MANIFEST", "EXPORT_RERANKER", "export_user", "import_user", "memory_from_record"]
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,16 @@ def _export_reranker(service: RetrievalService, user_id: str, target: Path) -> b
     return True
 
 
+def memory_from_record(record: dict[str, Any], user_id: str) -> Memory:
+    """A `memory` record of rmm's format (type removed) as the stored `Memory` of `user_id`: its
+    id, times and provenance kept (`import_user`, `rmm.serve.importer`)."""
+    span = record.get("time_span")
+    return Memory(id=record["id"], user_id=user_id, kind=record["kind"], text=record["text"],
+                  refs=list(record.get("refs", [])), source_text=record.get("source_text", ""),
+                  created_at=record.get("created_at", time.time()), updated_at=record.get("updated_at", time.time()),
+                  merged_from=list(record.get("merged_from", [])), time_span=None if span is None else (span[0], span[1]))
+
+
 def import_user(service: RetrievalService, tenant: str, path: Path, *, user: str | None = None,
                 reflect: bool = False) -> dict[str, int]:
     """Restore an export (folder, or its data file) as `user`; returns what was restored."""
@@ -171,11 +181,7 @@ def import_user(service: RetrievalService, tenant: str, path: Path, *, user: str
     source = users[0]
     target = user or source
     user_id = scoped(tenant, target)
-    memories = [Memory(id=m["id"], user_id=user_id, kind=m["kind"], text=m["text"], refs=list(m.get("refs", [])),
-                       source_text=m.get("source_text", ""), created_at=m.get("created_at", time.time()),
-                       updated_at=m.get("updated_at", time.time()), merged_from=list(m.get("merged_from", [])),
-                       time_span=None if m.get("time_span") is None else (m["time_span"][0], m["time_span"][1]))
-                for m in content.memories]
+    memories = [memory_from_record(m, user_id) for m in content.memories]
     with callers_terms(tenant, target):
         service.bank.add(user_id, memories)
     restored = {"memories": len(memories), "sessions_reflected": 0, "reranker": 0}
