@@ -110,6 +110,8 @@ ROUTES: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {
     ("GET", "/v1/jobs/{job_id}"): ("/v1/jobs/nope", None),
     ("POST", "/v1/retrieve"): ("/v1/retrieve", {"queries": [{"user": "ana", "query": "hiking"}]}),
     ("POST", "/v1/feedback"): ("/v1/feedback", {"selection_id": "nope", "text": "Hiking [0]"}),
+    ("GET", "/v1/ope"): ("/v1/ope", None),  # 403: no admin tenant here
+    ("POST", "/v1/reranker/promote"): ("/v1/reranker/promote", None),
 }
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 

@@ -37,7 +37,7 @@ from rmm.policy.checkpoint import backup_of, checkpoint_exists, finish_interrupt
 from rmm.policy.learner import Learner, LearnerConfig
 from rmm.policy.reranker import ResidualLinearReranker
 
-__all__ = ["SHARED", "LearnerRegistry", "StoredVersions", "checkpoint_exists"]
+__all__ = ["SHARED", "LearnerRegistry", "StoredVersions", "adopt_weights", "checkpoint_exists"]
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +231,18 @@ class LearnerRegistry:
                 # the backup too: an interrupted save's leftover would otherwise bring the learner back
                 for folder in (path, backup_of(path)):
                     shutil.rmtree(folder, ignore_errors=True)
+
+
+def adopt_weights(learner: Learner, weights: dict[str, torch.Tensor]) -> int:
+    """Load promoted `weights` (`rmm.serve.shadow`) into `learner` as its next weights version
+    (`stats.step` + 1, stamped on what it samples from now on); its optimizer moments are reset, since
+    they belong to the replaced weights, and it keeps learning from these. Returns the new version."""
+    learner.reranker.load_state_dict(weights)
+    learner.reranker.invalidate()
+    learner.optimizer.state.clear()
+    learner.stats.step += 1
+    learner.reranker.version = learner.stats.step
+    return learner.stats.step
 
 
 def _progress(learner: Learner) -> tuple[int, int]:

@@ -49,6 +49,7 @@ from rmm.serve.schemas import (
     QueryIn,
     RetrieveIn,
     RetrieveOut,
+    ShadowOut,
     TurnIn,
     UsersOut,
 )
@@ -126,6 +127,8 @@ ROUTES: dict[str, Route] = {
     "job": Route("GET", f"{API_PREFIX}/jobs/{{job_id}}", None, JobOut),
     "retrieve": Route("POST", f"{API_PREFIX}/retrieve", RetrieveIn, RetrieveOut),
     "feedback": Route("POST", f"{API_PREFIX}/feedback", FeedbackIn, FeedbackResult),
+    "ope": Route("GET", f"{API_PREFIX}/ope", None, ShadowOut),
+    "promote": Route("POST", f"{API_PREFIX}/reranker/promote", None, ShadowOut),
 }
 
 
@@ -296,6 +299,14 @@ class RmmClient:
         """Exactly one of: `cited` indices, the LLM's raw reply `text`, or `no_cite=True`."""
         return self._call("feedback", _feedback_json(selection_id, cited, text, no_cite, structured))
 
+    def ope(self) -> ShadowOut:
+        """The shadow reranker's off-policy estimate against the live one (an admin tenant's key)."""
+        return self._call("ope")
+
+    def promote(self) -> ShadowOut:
+        """Serve the shadow's weights if the evidence clears the bar; a refusal raises (409, both figures)."""
+        return self._call("promote")
+
     def close(self) -> None:
         self._http.close()
 
@@ -376,6 +387,12 @@ class AsyncRmmClient:
     async def feedback(self, selection_id: str, *, cited: list[int] | None = None, text: str | None = None,
                        no_cite: bool = False, structured: bool = False) -> Feedback:
         return await self._call("feedback", _feedback_json(selection_id, cited, text, no_cite, structured))
+
+    async def ope(self) -> ShadowOut:
+        return await self._call("ope")
+
+    async def promote(self) -> ShadowOut:
+        return await self._call("promote")
 
     async def aclose(self) -> None:
         await self._http.aclose()

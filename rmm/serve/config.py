@@ -35,6 +35,7 @@ __all__ = [
     "ConfigError",
     "LimitsConfig",
     "ServeConfig",
+    "ShadowConfig",
     "load_config",
 ]
 
@@ -124,6 +125,23 @@ class LimitsConfig:
 
 
 @dataclass
+class ShadowConfig:
+    """Shadow scoring and guarded promotion (`rmm.serve.shadow`): candidate weights judged off-policy on
+    the serving policy's rewarded, sampled selections, promoted only on sufficient evidence."""
+
+    checkpoint: str = ""  # a reranker checkpoint folder; "": no shadow
+    key: str | None = None  # the reranker key judged (a tenant, a user); None: the bank's (reranker_per: bank)
+    estimator: Literal["dr", "snips", "ips", "ips-clipped"] = "dr"
+    min_selections: _AtLeastOne = 200  # rewarded sampled selections before any decision
+    min_ess: _AboveZero = 50.0  # effective sample size (shown memories) of the estimator before any decision
+    margin: _NotNegative = 0.0  # reward per shown memory the lower bound must clear the live value by
+    level: Annotated[float, Field(gt=0, lt=1)] = 0.95  # the interval's level
+    window: _AtLeastOne = 5000  # the newest rewarded selections kept for the estimate
+    bootstrap: _AtLeastOne = 500  # bootstrap resamples of the interval
+    admin_tenants: list[str] = field(default_factory=list)  # tenants whose keys may read /v1/ope and promote
+
+
+@dataclass
 class ServeConfig:
     """Everything `rmm serve` needs; `configs/serve.yaml` documents each field."""
 
@@ -166,6 +184,7 @@ class ServeConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    shadow: ShadowConfig = field(default_factory=ShadowConfig)
     selection_ttl_s: _AboveZero = 3600.0
     checkpoint_interval_s: _NotNegative = 300.0  # 0: only on shutdown
     # with a postgresql:// store: how often a replica that is not the learner loads newer reranker
@@ -233,6 +252,9 @@ class ServeConfig:
                 raise ConfigError(f"database: unknown key(s) {unknown}; known: {list(DATABASE_OPTIONS)}")
         if self.k > self.limits.max_k:
             raise ConfigError(f"k={self.k} exceeds limits.max_k={self.limits.max_k}")
+        if self.shadow.checkpoint and self.shadow.key is None and self.reranker_per != "bank":
+            raise ConfigError(f"shadow.key: name the reranker key the shadow is judged on (a tenant with "
+                              f"reranker_per: {self.reranker_per}); only reranker_per: bank has one to default to")
         self.learner_config()  # raises ConfigError on a bad learner section
         return self
 

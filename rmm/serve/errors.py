@@ -11,9 +11,11 @@ from rmm.errors import RmmError
 __all__ = [
     "BadRequestError",
     "CorruptSelectionError",
+    "ForbiddenError",
     "InvalidApiKeyError",
     "MissingApiKeyError",
     "NoOpenSessionError",
+    "NoShadowError",
     "SelectionExpiredError",
     "SelectionUsedError",
     "UnknownJobError",
@@ -64,3 +66,14 @@ class MissingApiKeyError(RmmError):
 class InvalidApiKeyError(RmmError):
     """A key that names no tenant (the answer never hints at which keys exist)."""
 
+
+
+class ForbiddenError(RmmError):
+    """A valid key whose tenant may not do this (an admin route: `shadow.admin_tenants`)."""
+
+
+class NoShadowError(RmmError, KeyError):
+    """Shadow scoring or promotion asked of a server configured without `shadow.checkpoint`."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "no shadow reranker configured"

@@ -49,6 +49,8 @@ class FeedbackLearner:
         self.selections, self.learners = selections, learners
         self.deferred = bool(getattr(selections, "learns_in_background", False))
         self.updates = 0
+        # called with every claimed selection and its rewards (None: no citation), e.g. the shadow's window
+        self.observers: list[Callable[[PendingSelection, Any], object]] = []
         # selections recorded into a learner since the last checkpoint (in-process learning only):
         # marked once a checkpoint holds them, replayed by `replay` after a crash otherwise
         self._unsaved: list[str] = []
@@ -128,6 +130,8 @@ class FeedbackLearner:
 
         pending = self.selections.claim(tenant, selection_id, check)
         rewards = outcome["reward_tensor"]
+        for observe in self.observers:
+            observe(pending, rewards)
         with self.learners.lock:
             learner = self.learners.get(pending.reranker_key)
             step_before = learner.stats.step

@@ -35,9 +35,11 @@ from rmm.serve.batcher import BatcherClosedError
 from rmm.serve.errors import (
     BadRequestError,
     CorruptSelectionError,
+    ForbiddenError,
     InvalidApiKeyError,
     MissingApiKeyError,
     NoOpenSessionError,
+    NoShadowError,
     SelectionExpiredError,
     SelectionUsedError,
     UnknownJobError,
@@ -54,6 +56,8 @@ log = logging.getLogger(__name__)
 ERRORS: list[tuple[type[BaseException], int, str]] = [
     (MissingApiKeyError, 401, "missing_api_key"),
     (InvalidApiKeyError, 401, "invalid_api_key"),
+    (ForbiddenError, 403, "forbidden"),
+    (NoShadowError, 404, "no_shadow"),
     (UnknownUserError, 404, "unknown_user"),
     (UnknownMemoryError, 404, "unknown_memory"),
     (UnknownSelectionError, 404, "unknown_selection"),

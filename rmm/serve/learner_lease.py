@@ -28,8 +28,10 @@ import copy
 import hashlib
 import logging
 import os
+import queue
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +40,7 @@ import torch
 from rmm.memory.pg_database import PgDatabase
 from rmm.policy.optimizer import OptimizerStepError
 from rmm.policy.pg_versions import RerankerVersions, learner_to_bytes
-from rmm.policy.registry import LearnerRegistry
+from rmm.policy.registry import LearnerRegistry, adopt_weights
 from rmm.serve.background import Background
 from rmm.serve.feedback import rebuild
 from rmm.serve.pg_pending import mark_applied, skip_unlearnable, unapplied_feedback
@@ -108,6 +110,8 @@ class SharedLearning:
         self._idle: psycopg.Connection[Any] | None = None  # the connection tries run on, kept between them
         self._buffered: dict[str, list[int]] = defaultdict(list)  # key -> seqs recorded, not yet in a version
         self._touched: set[str] = set()
+        # promotions (`promote`) waiting for the lease thread, which alone uses the lock's connection
+        self._promotions: queue.SimpleQueue[tuple[str, dict[str, torch.Tensor], Future[int]]] = queue.SimpleQueue()
         self._thread = Background("rmm-learner-lease", self._run)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -150,6 +154,7 @@ class SharedLearning:
                 if self._conn is not None:
                     if not stopping.is_set():  # a stop that came during the try: no round after it
                         self.apply_pending()
+                        self._promote_waiting()
                 elif now >= next_reload:
                     next_reload = now + self.reload_interval_s
                     self.reload()
@@ -255,6 +260,42 @@ class SharedLearning:
         self.stats.applied += len(seqs)
         self.stats.versions_written += data is not None
 
+    # ---- promotion (rmm.serve.shadow) --------------------------------------------------------
+    def promote(self, key: str, weights: dict[str, torch.Tensor], timeout_s: float = 30.0) -> int:
+        """Serve `weights` for `key` on every replica: the lease thread writes them as the key's next
+        reranker version on the lock's connection (so only the learner can, fenced like its own
+        versions) and keeps learning from them; the other replicas load it within `reload_interval_s`.
+        Returns the version written. Refused (RuntimeError) on a replica that is not the learner."""
+        if self._conn is None:
+            raise RuntimeError("this replica is not the learner: only the learner writes reranker versions")
+        done: Future[int] = Future()
+        self._promotions.put((key, weights, done))
+        return done.result(timeout_s)
+
+    def _promote_waiting(self) -> None:
+        """Write the promotions waiting (lease thread, after a round)."""
+        while True:
+            try:
+                key, weights, done = self._promotions.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                assert self._conn is not None
+                # a partial batch stays buffered (and unapplied in the database): the learner records
+                # carry their own μ, so it is learned on the promoted weights at the next step
+                with self.registry.lock:
+                    snapshot = copy.deepcopy(self.registry.get(key))
+                version = adopt_weights(snapshot, weights)
+                with self._conn.transaction(), self._conn.cursor() as cur:
+                    self.versions.write(cur, key, version, learner_to_bytes(snapshot))
+                with self.registry.lock:
+                    self.registry.install(key, snapshot, version)
+                self.stats.versions_written += 1
+                done.set_result(version)
+            except BaseException as exc:  # the caller hears why; the loop decides about the lease
+                done.set_exception(exc)
+                raise
+
     # ---- losing the role ---------------------------------------------------------------------
     def _lose_lease(self) -> None:
         """Forget what this learner recorded but did not commit: its rerankers are reloaded from the
@@ -273,6 +314,12 @@ class SharedLearning:
         conn, self._conn = self._conn, None
         self.stats.is_learner = False
         _close(conn)  # the session ends: PostgreSQL releases the advisory lock
+        while True:  # promotions still waiting cannot be written by this replica any more
+            try:
+                _, _, done = self._promotions.get_nowait()
+            except queue.Empty:
+                break
+            done.set_exception(RuntimeError("this replica stopped being the learner before writing the promotion"))
 
     def _close_idle(self) -> None:
         conn, self._idle = self._idle, None

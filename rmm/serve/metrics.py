@@ -33,6 +33,8 @@ class Metrics:
         self.requests = Counter("rmm_http_requests", "HTTP requests", ["method", "route", "status"], registry=r)
         self.latency = Histogram("rmm_http_request_seconds", "HTTP request latency", ["route"], registry=r,
                                  buckets=LATENCY_BUCKETS)
+        self.promotions = Counter("rmm_reranker_promotions", "guarded promotions of the shadow reranker asked for, "
+                                  "by outcome", ["outcome"], registry=r)
         self.batch_size = Histogram("rmm_batch_size", "queries per batched retrieval call", registry=r,
                                     buckets=BATCH_SIZE_BUCKETS)
         self.batch_seconds = Histogram("rmm_batch_seconds", "work of one batched retrieval call (both stages, "
@@ -95,6 +97,17 @@ class ServiceCollector:
             for size, ms in timing.ms_per_query.items():
                 probe.add_metric([timing.engine, str(size)], ms)
         yield probe
+        # shadow scoring (rmm.serve.shadow): the window and the last estimate computed (a scrape computes none)
+        for name, help_text, key in (
+                ("rmm_shadow_selections", "rewarded sampled selections the shadow is judged on", "shadow_selections"),
+                ("rmm_shadow_estimate", "the shadow's estimated reward per shown memory", "shadow_estimate"),
+                ("rmm_shadow_estimate_low", "the lower bound of the shadow's estimate", "shadow_low"),
+                ("rmm_shadow_live_value", "the live policy's logged reward per shown memory", "shadow_live_value"),
+                ("rmm_shadow_ess", "effective sample size of the shadow's estimate", "shadow_ess")):
+            if key in stats:
+                gauge = GaugeMetricFamily(name, help_text)
+                gauge.add_metric([], stats[key])
+                yield gauge
         # replicas over PostgreSQL: which one is the learner, and what the shared learning did here
         for name, help_text, key in (
                 ("rmm_is_learner", "1 while this replica holds the learner's advisory lock", "is_learner"),

@@ -134,6 +134,8 @@ class Selections(Protocol):
 
     def unsaved_feedback(self) -> list[tuple[PendingSelection, dict[str, Any]]]: ...
 
+    def rewarded(self, reranker_key: str, since: float, limit: int) -> list[tuple[PendingSelection, dict[str, Any]]]: ...
+
     def mark_checkpointed(self, selection_ids: list[str]) -> None: ...
 
     def count_pending(self, now: float | None = None) -> int: ...
@@ -286,6 +288,16 @@ class SelectionStore:
                 f"SELECT {_COLUMNS}, feedback FROM selections WHERE consumed_at IS NOT NULL AND checkpointed IS NULL "
                 "AND feedback IS NOT NULL ORDER BY consumed_at, rowid").fetchall()
         return [(selection_from_row(row[:_N_COLUMNS]), dict(json.loads(row[_N_COLUMNS]))) for row in rows]
+
+    def rewarded(self, reranker_key: str, since: float, limit: int) -> list[tuple[PendingSelection, dict[str, Any]]]:
+        """The newest `limit` sampled selections of `reranker_key` claimed with feedback after `since`,
+        with their feedback, oldest first (what the shadow's window starts from after a restart)."""
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT {_COLUMNS}, feedback FROM selections WHERE consumed_at IS NOT NULL AND consumed_at > ? "
+                "AND feedback IS NOT NULL AND explore = 1 AND reranker_key = ? ORDER BY consumed_at DESC, rowid DESC "
+                "LIMIT ?", (since, reranker_key, limit)).fetchall()
+        return [(selection_from_row(row[:_N_COLUMNS]), dict(json.loads(row[_N_COLUMNS]))) for row in reversed(rows)]
 
     def mark_checkpointed(self, selection_ids: list[str]) -> None:
         """Record that a saved checkpoint holds these selections' feedback (never replayed again)."""

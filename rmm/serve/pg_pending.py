@@ -146,6 +146,17 @@ class PgSelectionStore:
         feedback table's unapplied rows (`rmm.serve.learner_lease`), after a crash too."""
         return []
 
+    def rewarded(self, reranker_key: str, since: float, limit: int) -> list[tuple[PendingSelection, dict[str, Any]]]:
+        """The newest `limit` sampled selections of `reranker_key` claimed with feedback after `since`
+        (every replica's), with their feedback, oldest first (`SelectionStore.rewarded`)."""
+        with self.db.tx() as cur:
+            rows = cur.execute(
+                f"SELECT {_COLUMNS}, feedback FROM selections WHERE consumed_at IS NOT NULL AND consumed_at > %s "
+                "AND feedback IS NOT NULL AND explore AND reranker_key = %s ORDER BY consumed_at DESC, id DESC "
+                "LIMIT %s", (since, reranker_key, limit)).fetchall()
+        n = len(SELECTION_COLUMNS)
+        return [(selection_from_row(row[:n], _FORMAT), dict(row[n])) for row in reversed(rows)]
+
     def mark_checkpointed(self, selection_ids: list[str]) -> None:
         """Nothing to record: a reranker version marks the feedback it holds (`applied_version`)."""
 

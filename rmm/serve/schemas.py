@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "API_PREFIX", "AddMemoriesIn", "AddMemoriesOut", "AddSessionIn", "AddTurnsIn", "AddTurnsOut", "DeleteMemoryOut",
     "DeleteUserOut", "EndSessionIn", "FeedbackIn", "HealthOut", "JobOut", "MemoriesOut", "MemoryIn", "MemoryOut",
-    "QueryIn", "RetrieveIn", "RetrieveOut", "TurnIn", "UsersOut",
+    "QueryIn", "RetrieveIn", "RetrieveOut", "ShadowOut", "TurnIn", "UsersOut",
 ]
 
 API_PREFIX = "/v1"  # every route below it needs an API key; the client builds its paths on it
@@ -235,6 +235,30 @@ class FeedbackIn(_Strict):
     text: Text | None = Field(None, description="the LLM's raw reply; citations are parsed from it")
     no_cite: bool = Field(False, description="the answer used none of the shown memories")
     structured: bool = Field(False, description="`text` is the JSON {answer, citations} form")
+
+
+# ---- shadow scoring and promotion (admin) -------------------------------------------------------
+class ShadowOut(BaseModel):
+    """The shadow reranker against the live one on the serving policy's logged traffic
+    (`rmm.serve.shadow`): an off-policy estimate, never the shadow's own selections."""
+
+    status: str = Field(description='"promote" (the evidence clears the bar), "keep" (it does not) or '
+                                    '"insufficient" (too few selections, no overlap or too small an ESS: no decision)')
+    reason: str
+    shadow: str = Field(description="the shadow's checkpoint folder (after a promotion: the previous live weights)")
+    key: str = Field(description="the reranker key it is judged on")
+    selections: int = Field(description="rewarded, sampled selections in the window")
+    estimator: str
+    estimate: float | None = Field(None, description="the shadow's reward per shown memory")
+    low: float | None = Field(None, description="the lower bound of its interval at `level`")
+    high: float | None = None
+    ess: float | None = Field(None, description="effective sample size (shown memories)")
+    live_value: float | None = Field(None, description="the serving policy's logged reward per shown memory")
+    margin: float
+    level: float
+    estimates: dict[str, dict[str, float]] = Field(default_factory=dict, description="every estimator's figures")
+    promoted: bool = Field(False, description="this call swapped the live weights for the shadow's")
+    previous: str | None = Field(None, description="where the replaced live checkpoint is kept")
 
 
 # ---- operations ---------------------------------------------------------------------------------

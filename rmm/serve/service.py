@@ -8,6 +8,7 @@ tests and embedding code see one object:
 - batched retrieval: `rmm.serve.retrieval.BatchRetriever` (what the micro-batcher calls);
 - feedback → learner: `rmm.serve.feedback.FeedbackLearner`;
 - sessions and reflection jobs: `rmm.serve.reflection_jobs.SessionReflection`;
+- shadow scoring and guarded promotion of candidate weights: `rmm.serve.shadow.ShadowScorer`;
 - rerankers: one `rmm.policy.registry.LearnerRegistry`, a learner per tenant by default (one
   tenant's feedback never moves another's ranking), per user, or one shared by the whole bank
   when `reranker_per: bank` says so; checkpointed every `checkpoint_interval_s` by
@@ -55,6 +56,7 @@ from rmm.serve.records import (
     WriteItem,
 )
 from rmm.serve.reflection_jobs import SessionReflection
+from rmm.serve.shadow import ShadowScorer
 from rmm.serve.retrieval import BatchRetriever, EncodedBatch
 from rmm.serve.tenants import ApiKeys, scoped, unscoped
 from rmm.types import Memory, Turn
@@ -181,6 +183,13 @@ class RetrievalService:
                                         self.selections,  # type: ignore[arg-type]  # any Selections
                                         tau=self.learner_config.tau)
         self.feedback_learner = FeedbackLearner(self.selections, self.learners)
+        self.shadow: ShadowScorer | None = None
+        if config.shadow.checkpoint:
+            self.shadow = ShadowScorer(config.shadow, self.learners, self.selections,
+                                       key=SHARED if config.shadow.key is None else config.shadow.key,
+                                       tau=self.learner_config.tau, root=path / CHECKPOINT_DIR, seed=config.seed,
+                                       shared=self.shared_learning)
+            self.feedback_learner.observers.append(self.shadow.observe)
         self.maintenance = Maintenance(sweep=self.selections.sweep, checkpoint=self.checkpoint,
                                        checkpoint_interval_s=config.checkpoint_interval_s,
                                        selection_ttl_s=config.selection_ttl_s)
@@ -192,6 +201,8 @@ class RetrievalService:
         start), then start the reflection worker (queued jobs resume) and the maintenance thread."""
         self._load_rerankers()
         self.feedback_learner.replay()  # feedback stored after the last checkpoint (a crash), SQLite only
+        if self.shadow is not None:
+            self.shadow.resume()
         self.jobs.start()
         self.maintenance.start()
         if self.shared_learning is not None:
@@ -326,6 +337,7 @@ class RetrievalService:
             "learner_updates": self.learner_updates,
             "encoder_query_calls": self.encoder.query_calls,
             **self._shared_stats(),
+            **(self.shadow.stats() if self.shadow is not None else {}),
         }
 
     def _shared_stats(self) -> dict[str, Any]:
