@@ -11,13 +11,11 @@ from pathlib import Path
 import openai
 import pytest
 from fake_generators import FakeOpenAIServer
-from fakes import BagOfWordsEncoder
+from test_online_generator import tiny  # noqa: F401 - the tiny bag-of-words bank fixture
 
 from rmm.cli import main
 from rmm.data import load_dataset
 from rmm.data.jsonl import dataset_records, write_jsonl
-from rmm.eval.benchmark_bank import fill
-from rmm.memory.bank import MemoryBank
 from rmm.training.online import OnlineConfig, OnlineTrainer
 from rmm.types import Dataset
 
@@ -43,15 +41,6 @@ def without_gold(dataset: Dataset, keep_every: int = 0) -> Dataset:
                  dataclasses.replace(q, evidence_turns=[], evidence_sessions=[])
                  for i, q in enumerate(dataset.questions)]
     return dataclasses.replace(dataset, questions=questions)
-
-
-@pytest.fixture
-def tiny(tiny_data_dir, tmp_path):
-    dataset = load_dataset("locomo", data_dir=tiny_data_dir)
-    bank = MemoryBank(tmp_path / "bank", BagOfWordsEncoder())
-    fill(bank, dataset, "turn", progress=False)
-    yield dataset, bank
-    bank.close()
 
 
 def config(citer: str, **kw) -> OnlineConfig:

@@ -133,12 +133,7 @@ def read_pretraining(folder: str | Path) -> Pretraining | None:
     file = Path(folder).expanduser() / PRETRAINING_FILE
     if not file.is_file():
         return None
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise CorruptFileError(f"{file} is not valid JSON: {err}") from err
-    if not isinstance(data, dict) or data.get("format") != PRETRAINING_FORMAT:
-        raise CorruptFileError(f"{file} is not an rmm pretraining record of format {PRETRAINING_FORMAT}")
+    data = _read_format_json(file, PRETRAINING_FORMAT, "an rmm pretraining record")
     try:
         return Pretraining(dataset=str(data["dataset"]), users=tuple(map(str, data["users"])),
                            heldout=tuple(map(str, data.get("heldout", ()))),
@@ -541,12 +536,16 @@ def _check_texts(texts: Sequence[str]) -> None:
 
 def read_rmm_encoder_file(folder: Path) -> dict[str, Any]:
     """The saved config of an rmm encoder folder (fields of EncoderConfig minus paths)."""
-    file = folder / RMM_ENCODER_FILE
+    return _read_format_json(folder / RMM_ENCODER_FILE, RMM_ENCODER_FORMAT, "an rmm encoder config")
+
+
+def _read_format_json(file: Path, version: int, what: str) -> dict[str, Any]:
+    """A JSON object file of rmm's that names its `format`; `CorruptFileError` when it is not one."""
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise CorruptFileError(f"{file} is not valid JSON: {err}") from err
-    if not isinstance(data, dict) or data.get("format") != RMM_ENCODER_FORMAT:
-        raise CorruptFileError(f"{file} is not an rmm encoder config of format {RMM_ENCODER_FORMAT}")
+    if not isinstance(data, dict) or data.get("format") != version:
+        raise CorruptFileError(f"{file} is not {what} of format {version}")
     return data
 
