@@ -17,8 +17,9 @@ if TYPE_CHECKING:  # annotations only: the records load without torch (the HTTP 
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
-MemoryKind = Literal["turn", "session", "topic"]
-MEMORY_KINDS: tuple[str, ...] = ("turn", "session", "topic")
+MemoryKind = Literal["turn", "session", "topic", "event"]
+# "event": a CompassMem event node (rmm.memory.graph): its summary as text, its turn refs, an explicit time
+MEMORY_KINDS: tuple[str, ...] = ("turn", "session", "topic", "event")
 
 
 @dataclass

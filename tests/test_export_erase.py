@@ -22,6 +22,9 @@ from rmm.errors import DataError, UnknownUserError
 SECRETS = ["Quetzalcoatlus wingspan notes", "Xylophagous beetle diary", "Zanzibar ferry ticket 88412",
            "Vermilion kayak named Ophelia", "Oubliette escape riddle", "Jacaranda street apartment 7"]
 OTHER = "Bo collects Marimba recordings"
+# what only ana's event graph holds (rmm.memory.graph): event text, participant, edge label and evidence, topic
+GRAPH_SECRETS = ["Harpsichord recital in Quito", "Participant Evangelina", "prompted-by-Wolfhound",
+                 "evidence-turn-Nightjar", "Topic about Obsidian quarries"]
 
 
 def open_memory(location: Path | str, **settings) -> Memory:
@@ -43,6 +46,20 @@ def fill(memory: Memory) -> None:
     assert memory.feedback(hit.selection_id, cited=[0]).learned  # (PostgreSQL: learned in the background)
     memory.add_memories("bo", [OTHER])
     memory.checkpoint()
+
+
+def add_graph(memory: Memory) -> None:
+    """Events of ana's with every graph row: participants, an edge with label and evidence, a topic."""
+    from rmm.memory.graph import Edge, Event, Topic
+    from rmm.serve.scoping import scoped
+    from rmm.types import Memory as Record
+
+    user = scoped(memory.tenant, "ana")
+    events = [Record(id=f"ev{i}", user_id=user, kind="event", text=text, refs=["x:1"], time_span=("2024-02-03", None))
+              for i, text in enumerate([GRAPH_SECRETS[0], "a second event"])]
+    memory.service.bank.store.add_events(user, [Event(events[0], (GRAPH_SECRETS[1],)), events[1]],
+                                         [Edge("ev0", "ev1", GRAPH_SECRETS[2], (GRAPH_SECRETS[3],))],
+                                         [Topic("topic0", GRAPH_SECRETS[4], ("ev0", "ev1"))])
 
 
 def bytes_under(folder: Path) -> bytes:
@@ -120,15 +137,16 @@ def test_delete_user_leaves_no_text_in_the_sqlite_files(tmp_path: Path) -> None:
     folder = tmp_path / "bank"
     with open_memory(folder) as memory:
         fill(memory)
+        add_graph(memory)
         memory.checkpoint()
-        assert found(bytes_under(folder), SECRETS) == SECRETS  # the scan sees what is stored
+        assert found(bytes_under(folder), SECRETS + GRAPH_SECRETS) == SECRETS + GRAPH_SECRETS  # the scan sees what is stored
         counts = memory.delete_user("ana")
         assert counts["session_turns"] == 1 and counts["selections"] == 1
-        assert found(bytes_under(folder), SECRETS) == []  # while open: the logs were truncated
+        assert found(bytes_under(folder), SECRETS + GRAPH_SECRETS) == []  # while open: the logs were truncated
         assert not [p for p in folder.rglob("*") if "local_ana" in p.name]  # index file, reranker folder
         assert [m.text for m in memory.memories("bo")] == [OTHER]
     blob = bytes_under(folder)
-    assert found(blob, SECRETS) == [] and OTHER.encode() in blob
+    assert found(blob, SECRETS + GRAPH_SECRETS) == [] and OTHER.encode() in blob
 
 
 def test_delete_user_leaves_no_text_in_the_postgresql_tables(tmp_path: Path, pg_url: str) -> None:
@@ -147,11 +165,13 @@ def test_delete_user_leaves_no_text_in_the_postgresql_tables(tmp_path: Path, pg_
 
     with open_memory(pg_url, folder=tmp_path / "sessions") as memory:
         fill(memory)
+        add_graph(memory)
         assert found(table_text().encode(), SECRETS) == [s for s in SECRETS if s != SECRETS[4]]  # open: folder
+        assert found(table_text().encode(), GRAPH_SECRETS) == GRAPH_SECRETS
         manifest = memory.export_user("ana", tmp_path / "out")
         assert manifest["store"] == "postgresql" and manifest["counts"]["feedback"] == 1
         memory.delete_user("ana")
-        assert found(table_text().encode(), SECRETS) == []
+        assert found(table_text().encode(), SECRETS + GRAPH_SECRETS) == []
         assert OTHER in table_text()
     assert found(bytes_under(tmp_path / "sessions"), SECRETS) == []
 

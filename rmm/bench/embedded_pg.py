@@ -80,6 +80,9 @@ def reset_pg_bank(url: str) -> None:
         with conn.transaction():
             conn.execute("DROP INDEX IF EXISTS memories_embedding_hnsw")
             conn.execute("ALTER TABLE memories ALTER COLUMN embedding TYPE vector")
-            conn.execute("TRUNCATE memories, users RESTART IDENTITY")
+            graph = [r[0] for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s AND tablename "
+                                                "LIKE 'graph%%'", (location.schema,))]  # migration 0006 on
+            conn.execute(sql.SQL("TRUNCATE {} RESTART IDENTITY").format(
+                sql.SQL(", ").join(sql.Identifier(t) for t in ["memories", "users", *graph])))
             conn.execute("DELETE FROM meta WHERE key NOT IN ('store_id', 'created_at')")
             conn.execute("UPDATE meta SET value = replace(gen_random_uuid()::text, '-', '') WHERE key = 'store_id'")

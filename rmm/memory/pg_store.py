@@ -34,6 +34,8 @@ from rmm.errors import (
     RmmError,
     UnknownUserError,
 )
+from rmm.memory import graph
+from rmm.memory.graph import Edge, Event, Topic
 from rmm.memory.pg_database import DEFAULT_POOL_MAX, PgDatabase
 from rmm.memory.validation import (
     MAX_LISTED_USERS,
@@ -188,20 +190,56 @@ class PostgresStore:
         rows = [_row(m, None if vectors is None else vectors[j]) for j, m in enumerate(memories)]
         try:
             with self._tx() as cur:
-                if vectors is not None:
-                    self._check_dim(cur, vectors.shape[1])
-                cur.execute("SELECT m.user_id, m.id FROM memories m JOIN unnest(%s::text[], %s::text[]) AS k(u, i) "
-                            "ON m.user_id = k.u AND m.id = k.i LIMIT 1",
-                            ([m.user_id for m in memories], [m.id for m in memories]))
-                clash = cur.fetchone()
-                if clash is not None:
-                    raise DuplicateMemoryError(f"memory {clash[1]!r} already exists for user {clash[0]!r}; "
-                                               "use update() to change it")
-                cur.executemany(_INSERT, rows)
-                for user in sorted({m.user_id for m in memories}):  # one lock order: no deadlocks between writers
-                    self._bump(cur, user)
+                self._insert(cur, memories, rows, vectors)
         except psycopg.errors.UniqueViolation as exc:  # a concurrent writer added the same id first
             raise DuplicateMemoryError(f"memory already exists: {exc.diag.message_detail}; use update() to change it") from exc
+
+    def _insert(self, cur: psycopg.Cursor[Any], memories: list[Memory], rows: list[tuple[Any, ...]],
+                vectors: np.ndarray | None) -> None:
+        """`add`'s rows on an open transaction (`add_events` writes its graph rows after them)."""
+        if vectors is not None:
+            self._check_dim(cur, vectors.shape[1])
+        cur.execute("SELECT m.user_id, m.id FROM memories m JOIN unnest(%s::text[], %s::text[]) AS k(u, i) "
+                    "ON m.user_id = k.u AND m.id = k.i LIMIT 1",
+                    ([m.user_id for m in memories], [m.id for m in memories]))
+        clash = cur.fetchone()
+        if clash is not None:
+            raise DuplicateMemoryError(f"memory {clash[1]!r} already exists for user {clash[0]!r}; "
+                                       "use update() to change it")
+        cur.executemany(_INSERT, rows)
+        for user in sorted({m.user_id for m in memories}):  # one lock order: no deadlocks between writers
+            self._bump(cur, user)
+
+    def add_events(self, user: str, events: list[Event | Memory], edges: list[Edge] | None = None,
+                   topics: list[Topic] | None = None, embeddings: torch.Tensor | np.ndarray | None = None) -> None:
+        """Insert event memories with their edges and topic memberships in one transaction
+        (`rmm.memory.graph`): a refused or failed write leaves none of them."""
+        import psycopg
+
+        check_user_name(user)
+        batch = graph.GraphWrite.check(user, events, edges or (), topics or ())
+        memories = batch.memories
+        duplicate_keys(memories)
+        vectors = None if embeddings is None or not memories else as_matrix(embeddings, len(memories))
+        rows = [_row(m, None if vectors is None else vectors[j]) for j, m in enumerate(memories)]
+        try:
+            with self._tx() as cur:
+                if memories:
+                    self._insert(cur, memories, rows, vectors)
+                else:
+                    self._generation(cur, user)
+                    self._bump(cur, user)
+                graph.write(cur, "%s", batch)
+        except psycopg.errors.UniqueViolation as exc:
+            raise DuplicateMemoryError(f"memory already exists: {exc.diag.message_detail}; use update() to change it") from exc
+
+    def rewire(self, user: str, old_ids: list[str], new_id: str) -> None:
+        """A merge's graph half: move the edges and memberships of `old_ids` onto the event `new_id`."""
+        with self._tx() as cur:
+            self._generation(cur, user)
+            self._require_ids(cur, user, [*old_ids, new_id])
+            self._bump(cur, user)  # first: its row lock serialises this user's graph writes
+            graph.rewire(cur, "%s", user, list(old_ids), new_id)
 
     def update(self, memory: Memory, embedding: torch.Tensor | np.ndarray | None = None) -> None:
         """Replace every field of an existing memory; the embedding too when one is given."""
@@ -227,6 +265,7 @@ class PostgresStore:
             if not ids:
                 return
             self._require_ids(cur, user, ids)
+            graph.delete_memories(cur, "%s", user, ids)
             cur.execute("DELETE FROM memories WHERE user_id = %s AND id = ANY(%s)", (user, list(dict.fromkeys(ids))))
             self._bump(cur, user)
 
@@ -234,6 +273,7 @@ class PostgresStore:
         """Remove a user and all their memories (the generation counter is kept)."""
         with self._tx() as cur:
             self._generation(cur, user)
+            graph.delete_user(cur, "%s", user)
             cur.execute("DELETE FROM memories WHERE user_id = %s", (user,))
             cur.execute("UPDATE users SET generation = generation + 1, active = false WHERE user_id = %s", (user,))
 
@@ -303,6 +343,31 @@ class PostgresStore:
             self._generation(cur, user)
             rows = cur.execute(f"SELECT {_COLUMNS} FROM memories WHERE user_id = %s ORDER BY seq", (user,)).fetchall()
         return [_memory(r) for r in rows]
+
+    def neighbours(self, user: str, memory_id: str, direction: graph.Direction = "out", label: str | None = None) -> list[Edge]:
+        """The edges leaving / entering / touching one memory of `user` (`rmm.memory.graph.neighbours`)."""
+        with self._tx() as cur:
+            self._generation(cur, user)
+            self._require_ids(cur, user, [memory_id])
+            return graph.neighbours(cur, "%s", user, memory_id, direction, label)
+
+    def topics(self, user: str) -> list[Topic]:
+        """Every topic of `user` with its members."""
+        with self._tx() as cur:
+            self._generation(cur, user)
+            return graph.topics(cur, "%s", user)
+
+    def members(self, user: str, topic: str) -> list[str]:
+        """The event ids in one topic of `user` (empty for a topic that does not exist)."""
+        with self._tx() as cur:
+            self._generation(cur, user)
+            return graph.members(cur, "%s", user, topic)
+
+    def participants(self, user: str, ids: list[str]) -> dict[str, tuple[str, ...]]:
+        """The participants of the given events of `user`."""
+        with self._tx() as cur:
+            self._generation(cur, user)
+            return graph.participants(cur, "%s", user, ids)
 
     def _dim(self, cur: psycopg.Cursor[Any]) -> int:
         row = cur.execute("SELECT value FROM meta WHERE key = 'embedding_dim'").fetchone()

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from rmm.memory.graph import Direction, Edge, Event, Topic
     from rmm.types import Memory
 
 __all__ = ["MemoryStorage", "VectorSearchStorage", "is_database_url", "open_store"]
@@ -81,6 +82,24 @@ class MemoryStorage(Protocol):
     def memories(self, user: str) -> list[Memory]: ...
 
     def embeddings(self, user: str, ids: list[str] | None = None) -> tuple[list[str], torch.Tensor]: ...
+
+    # the event graph (rmm.memory.graph): written in the transaction of the memories it touches
+    def add_events(self, user: str, events: list[Event | Memory], edges: list[Edge] | None = None,
+                   topics: list[Topic] | None = None, embeddings: torch.Tensor | np.ndarray | None = None) -> None:
+        """Insert event memories, edges between stored or new events, topics and memberships, all or nothing."""
+        ...
+
+    def rewire(self, user: str, old_ids: list[str], new_id: str) -> None:
+        """Move the edges and memberships of merged events onto the event they were merged into."""
+        ...
+
+    def neighbours(self, user: str, memory_id: str, direction: Direction = "out", label: str | None = None) -> list[Edge]: ...
+
+    def topics(self, user: str) -> list[Topic]: ...
+
+    def members(self, user: str, topic: str) -> list[str]: ...
+
+    def participants(self, user: str, ids: list[str]) -> dict[str, tuple[str, ...]]: ...
 
     def close(self) -> None: ...
 

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 
 from rmm.errors import CorruptFileError, RmmError, UnknownUserError
+from rmm.memory import graph
+from rmm.memory.graph import Edge, Event, Topic
 from rmm.memory.validation import (
     MAX_LISTED_USERS,
     DuplicateMemoryError,
@@ -54,7 +56,7 @@ __all__ = ["SCHEMA_VERSION", "DuplicateMemoryError", "MemoryStore"]
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the event graph's tables (rmm.memory.graph), added in place to a version-1 file
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _BUSY_TIMEOUT_S = 30.0
 
@@ -181,6 +183,8 @@ class MemoryStore:
                     raise CorruptFileError(
                         f"{self.path} has schema version {version}, newer than this rmm supports ({SCHEMA_VERSION}); upgrade rmm"
                     )
+                if version < SCHEMA_VERSION:
+                    self._upgrade()
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=FULL")
             # deleted rows are zeroed, not left in free pages: an erased user's text leaves the file
@@ -189,13 +193,24 @@ class MemoryStore:
                 with self._transaction() as cur:
                     # Another process may have created it between our check and BEGIN IMMEDIATE.
                     if cur.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone() is None:
-                        for statement in filter(None, (s.strip() for s in _SCHEMA.split(";"))):
+                        for statement in filter(None, (s.strip() for s in (_SCHEMA + graph.SQLITE_TABLES).split(";"))):
                             cur.execute(statement)
                         cur.executemany(
                             "INSERT INTO meta(key, value) VALUES (?, ?)",
                             [("schema_version", str(SCHEMA_VERSION)), ("store_id", uuid.uuid4().hex), ("created_at", str(time.time()))],
                         )
                 log.debug("created memory store %s", self.path)
+
+    def _upgrade(self) -> None:
+        """Bring an older file to `SCHEMA_VERSION` in place, in one transaction (version 1 → 2: the
+        graph's tables); another process upgrading at the same time finds the work done."""
+        with self._transaction() as cur:
+            version = int(cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+            if version < 2:
+                for statement in filter(None, (s.strip() for s in graph.SQLITE_TABLES.split(";"))):
+                    cur.execute(statement)
+                cur.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+                log.info("memory store %s upgraded from schema version %d to %d", self.path, version, SCHEMA_VERSION)
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
@@ -293,26 +308,57 @@ class MemoryStore:
         if not memories:
             return
         rows = [_memory_row(m) for m in memories]
-        keys = [(m.user_id, m.id) for m in memories]
         duplicate_keys(memories)
         vectors = None if embeddings is None else as_matrix(embeddings, len(memories))
         with self._write() as cur:
-            if vectors is not None:
-                self._check_dim(cur, vectors.shape[1])
-            for row in rows:
-                try:
-                    cur.execute(f"INSERT INTO memories({_MEMORY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)", row)
-                except sqlite3.IntegrityError as exc:
-                    raise DuplicateMemoryError(
-                        f"memory {row[0]!r} already exists for user {row[1]!r}; use update() to change it"
-                    ) from exc
-            if vectors is not None:
-                cur.executemany(
-                    "INSERT INTO embeddings(user_id, id, dim, vector) VALUES (?,?,?,?)",
-                    [(u, i, vectors.shape[1], vectors[j].tobytes()) for j, (u, i) in enumerate(keys)],
-                )
-            for user in dict.fromkeys(m.user_id for m in memories):
+            self._insert(cur, memories, rows, vectors)
+
+    def _insert(self, cur: sqlite3.Cursor, memories: list[Memory], rows: list[tuple[Any, ...]],
+                vectors: np.ndarray | None) -> None:
+        """`add`'s rows on an open transaction (`add_events` writes its graph rows after them)."""
+        keys = [(m.user_id, m.id) for m in memories]
+        if vectors is not None:
+            self._check_dim(cur, vectors.shape[1])
+        for row in rows:
+            try:
+                cur.execute(f"INSERT INTO memories({_MEMORY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)", row)
+            except sqlite3.IntegrityError as exc:
+                raise DuplicateMemoryError(
+                    f"memory {row[0]!r} already exists for user {row[1]!r}; use update() to change it"
+                ) from exc
+        if vectors is not None:
+            cur.executemany(
+                "INSERT INTO embeddings(user_id, id, dim, vector) VALUES (?,?,?,?)",
+                [(u, i, vectors.shape[1], vectors[j].tobytes()) for j, (u, i) in enumerate(keys)],
+            )
+        for user in dict.fromkeys(m.user_id for m in memories):
+            self._bump(cur, user)
+
+    def add_events(self, user: str, events: list[Event | Memory], edges: list[Edge] | None = None,
+                   topics: list[Topic] | None = None, embeddings: torch.Tensor | np.ndarray | None = None) -> None:
+        """Insert event memories with their edges and topic memberships in one transaction
+        (`rmm.memory.graph`): a refused or failed write leaves none of them."""
+        check_user_name(user)
+        batch = graph.GraphWrite.check(user, events, edges or (), topics or ())
+        memories = batch.memories
+        rows = [_memory_row(m) for m in memories]
+        duplicate_keys(memories)
+        vectors = None if embeddings is None or not memories else as_matrix(embeddings, len(memories))
+        with self._write() as cur:
+            if memories:
+                self._insert(cur, memories, rows, vectors)
+            else:
+                self._require_user(cur, user)
                 self._bump(cur, user)
+            graph.write(cur, "?", batch)
+
+    def rewire(self, user: str, old_ids: list[str], new_id: str) -> None:
+        """A merge's graph half: move the edges and memberships of `old_ids` onto the event `new_id`."""
+        with self._write() as cur:
+            self._require_user(cur, user)
+            self._require_ids(cur, user, [*old_ids, new_id])
+            self._bump(cur, user)  # first: its row lock serialises this user's graph writes
+            graph.rewire(cur, "?", user, list(old_ids), new_id)
 
     def update(self, memory: Memory, embedding: torch.Tensor | np.ndarray | None = None) -> None:
         """Replace every field of an existing memory; the embedding too when one is given."""
@@ -346,6 +392,7 @@ class MemoryStore:
             for memory_id in dict.fromkeys(ids):
                 cur.execute("DELETE FROM memories WHERE user_id=? AND id=?", (user, memory_id))
                 cur.execute("DELETE FROM embeddings WHERE user_id=? AND id=?", (user, memory_id))
+            graph.delete_memories(cur, "?", user, ids)
             self._bump(cur, user)
 
     def delete_user(self, user: str) -> None:
@@ -354,6 +401,7 @@ class MemoryStore:
             self._require_user(cur, user)
             cur.execute("DELETE FROM memories WHERE user_id=?", (user,))
             cur.execute("DELETE FROM embeddings WHERE user_id=?", (user,))
+            graph.delete_user(cur, "?", user)
             cur.execute("UPDATE users SET generation = generation + 1, active = 0 WHERE user_id=?", (user,))
 
     def set_meta(self, key: str, value: str) -> None:
@@ -476,6 +524,31 @@ class MemoryStore:
             return out_ids, torch.zeros((0, dim), dtype=torch.float32)
         matrix = np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(blobs), -1)
         return out_ids, torch.from_numpy(matrix.copy())
+
+    def neighbours(self, user: str, memory_id: str, direction: graph.Direction = "out", label: str | None = None) -> list[Edge]:
+        """The edges leaving / entering / touching one memory of `user` (`rmm.memory.graph.neighbours`)."""
+        with self._read() as conn:
+            self._require_user(conn, user)
+            self._require_ids(conn, user, [memory_id])
+            return graph.neighbours(conn.cursor(), "?", user, memory_id, direction, label)
+
+    def topics(self, user: str) -> list[Topic]:
+        """Every topic of `user` with its members."""
+        with self._read() as conn:
+            self._require_user(conn, user)
+            return graph.topics(conn.cursor(), "?", user)
+
+    def members(self, user: str, topic: str) -> list[str]:
+        """The event ids in one topic of `user` (empty for a topic that does not exist)."""
+        with self._read() as conn:
+            self._require_user(conn, user)
+            return graph.members(conn.cursor(), "?", user, topic)
+
+    def participants(self, user: str, ids: list[str]) -> dict[str, tuple[str, ...]]:
+        """The participants of the given events of `user`."""
+        with self._read() as conn:
+            self._require_user(conn, user)
+            return graph.participants(conn.cursor(), "?", user, ids)
 
     # ----------------------------------------------------------------- lifecycle
 

@@ -14,14 +14,19 @@ from rmm.types import Memory
 
 __all__ = [
     "MAX_LISTED_USERS",
+    "MAX_PARTICIPANTS",
     "DuplicateMemoryError",
     "as_matrix",
     "check_dim",
+    "check_edge",
+    "check_event",
     "check_memory",
     "check_meta_value",
+    "check_topic",
     "check_user_name",
     "duplicate_keys",
     "require_embedded",
+    "require_events",
     "require_ids",
     "unknown_user",
 ]
@@ -106,3 +111,53 @@ def unknown_user(user: str, location: str, users: list[str], total: int) -> Unkn
     else:
         hint = f"the store has {total} users"
     return UnknownUserError(f"unknown user {user!r} in {location}; {hint}")
+
+
+# ---- the event graph (rmm.memory.graph): checks both stores apply before writing ------------------------
+
+MAX_PARTICIPANTS = 3  # CompassMem's event schema: at most three participants per event
+
+
+def check_event(user: str, memory: Memory, participants: Sequence[str]) -> None:
+    """An event node: a `Memory` of kind ``event`` of `user`, with turn refs, an explicit time and at
+    most `MAX_PARTICIPANTS` named participants (what graph search and the reranker rely on)."""
+    check_memory(memory)
+    if memory.kind != "event":
+        raise ValueError(f"event {memory.id!r}: kind must be 'event', got {memory.kind!r}")
+    if memory.user_id != user:
+        raise ValueError(f"event {memory.id!r} belongs to user {memory.user_id!r}, not {user!r}")
+    if not memory.refs:
+        raise ValueError(f"event {memory.id!r} needs the turn ids it came from (refs)")
+    if memory.time_span is None or all(t is None for t in memory.time_span):
+        raise ValueError(f"event {memory.id!r} needs an explicit time (time_span)")
+    if len(participants) > MAX_PARTICIPANTS:
+        raise ValueError(f"event {memory.id!r} has {len(participants)} participants; at most {MAX_PARTICIPANTS}")
+    if any(not isinstance(p, str) or not p for p in participants):
+        raise ValueError(f"event {memory.id!r}: participants are non-empty strings, got {list(participants)!r}")
+
+
+def check_edge(source: object, target: object, label: object, evidence: Sequence[object]) -> None:
+    """A directed edge between two different nodes, a non-empty free-form label, turn ids as evidence."""
+    for name, value in (("source", source), ("target", target), ("label", label)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"edge {name} must be a non-empty string, got {value!r}")
+    if source == target:
+        raise ValueError(f"edge {source!r} -> {target!r}: an event is not its own neighbour")
+    if any(not isinstance(e, str) or not e for e in evidence):
+        raise ValueError(f"edge {source!r} -> {target!r}: evidence are turn ids (non-empty strings), got {list(evidence)!r}")
+
+
+def check_topic(topic_id: object, members: Sequence[object]) -> None:
+    """A topic has a non-empty id; its members are memory ids."""
+    if not isinstance(topic_id, str) or not topic_id:
+        raise ValueError(f"topic id must be a non-empty string, got {topic_id!r}")
+    if any(not isinstance(m, str) or not m for m in members):
+        raise ValueError(f"topic {topic_id!r}: members are memory ids, got {list(members)!r}")
+
+
+def require_events(user: str, ids: Iterable[str], events: Iterable[str]) -> None:
+    """Refuse graph rows naming ids of `user` that are not stored events (`events`: those found)."""
+    found = set(events)
+    missing = sorted({i for i in ids if i not in found})
+    if missing:
+        raise UnknownMemoryError(f"{len(missing)} id(s) of user {user!r} are not stored events: {missing[:5]}")
