@@ -28,10 +28,22 @@ load average, then the batching on / off throughput ratio and both p99s. `--prof
 the server and its query-encoder process with py-spy during each timed run and prints their top
 functions. Exits 1 if any request failed.
 
+`--shadow` measures what shadow scoring (issue 32 item 4) costs the server: each configuration runs
+twice in turn (`--shadow-rounds` pairs, alternating off-on / on-off so that a drift of the machine
+cancels), once as above and once with a shadow reranker (`shadow.checkpoint`: an untrained one of
+the live learner's kind for this bank's encoder, written by the bench; the bench tenant an admin).
+The shadow's work is done when feedback is claimed, so with `--shadow` every client answers each
+retrieve with feedback (a random subset of the shown memories cited) before its next one, in both
+arms; server CPU per request then covers a retrieve and its feedback. Prints the on / off ratio of
+server CPU per request, and the latency of one `GET /v1/ope` (the shadow's estimate on the rows
+it kept) at the end of each shadow run. The bench's own bank starts a `--shadow` run without the
+reranker checkpoints earlier feedback trained.
+
     python -m rmm.bench.serve                                # LoCoMo: 1, 8, 32 clients, 8 s each
     python -m rmm.bench.serve --setting goal --duration 30   # 32 users x 10k memories, 32 clients
     python -m rmm.bench.serve --setting goal --profile /tmp/prof  # and where the server's time goes
     python -m rmm.bench.serve --clients 1 16 64 --duration 20 --max-batch 128
+    python -m rmm.bench.serve --setting goal --duration 20 --modes on --shadow   # shadow scoring's cost
 """
 
 from __future__ import annotations
@@ -77,6 +89,7 @@ class Row:
     client_cpu_share: float  # the load generator's CPU seconds per second: the cores it took from the server
     prepare_busy: float  # share of the run the first stage (query encoding) was working
     finish_busy: float  # share of the run the second stage (search, rerank, store) was working
+    shadow: str = "none"  # "none": no --shadow; "off" / "on": a --shadow pair's arms (clients send feedback)
 
 
 def build_bank(bank: Path, data_dir: str | None, conversations: int | None) -> list[tuple[str, str]]:
@@ -138,13 +151,15 @@ def build_synthetic_bank(bank: Path, data_dir: str | None, users: int, per_user:
 
 
 def start_server(bank: Path, workdir: Path, batching: bool, max_batch: int, max_wait_ms: float,
-                 device: str, threads: int | None, extra: dict[str, object]) -> tuple[subprocess.Popen, str, Path]:
-    config = workdir / f"serve-{'on' if batching else 'off'}.json"  # JSON is valid YAML
+                 device: str, threads: int | None, extra: dict[str, object],
+                 tag: str = "") -> tuple[subprocess.Popen, str, Path]:
+    name = f"{'on' if batching else 'off'}{tag}"
+    config = workdir / f"serve-{name}.json"  # JSON is valid YAML
     config.write_text(json.dumps({
         "auth": {"keys": {KEY: TENANT}}, "device": device, "log_level": "warning", "torch_threads": threads,
         "batching": {"enabled": batching, "max_batch": max_batch, "max_wait_ms": max_wait_ms}, **extra,
     }))
-    log = workdir / f"server-{'on' if batching else 'off'}.log"
+    log = workdir / f"server-{name}.log"
     try:
         proc, url = start_server_process(bank, config, log)
     except RmmError as error:
@@ -212,9 +227,10 @@ class Connection:
 
 
 async def load(url: str, questions: list[tuple[str, str]], clients: int, duration: float, k: int, m: int,
-               seed: int) -> tuple[list[float], int, int, float]:
+               seed: int, feedback: bool = False) -> tuple[list[float], int, int, float]:
     """N clients, each on its own keep-alive connection, sending requests back to back until the
-    time is up."""
+    time is up; with `feedback`, each answers every retrieve with feedback (each shown memory cited
+    with probability 0.3, else `no_cite`) before its next (the latency is the retrieve's)."""
     latencies: list[float] = []
     errors = 0
     sent = 0
@@ -231,13 +247,21 @@ async def load(url: str, questions: list[tuple[str, str]], clients: int, duratio
                 t0 = time.perf_counter()
                 try:
                     status, answer = await connection.post("/v1/retrieve", body)
-                    ok = status == 200 and len(json.loads(answer)["results"][0]["memories"]) == m
+                    result = json.loads(answer)["results"][0] if status == 200 else {}
+                    ok = len(result.get("memories", ())) == m
+                    elapsed_one = time.perf_counter() - t0
+                    if ok and feedback:
+                        cited = [i for i in range(m) if rng.random() < 0.3]
+                        said = {"cited": cited} if cited else {"no_cite": True}
+                        status, _ = await connection.post(
+                            "/v1/feedback", json.dumps({"selection_id": result["selection_id"], **said}).encode())
+                        ok = status == 200
                 except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, KeyError):
                     connection.close()
                     ok = False
                 sent += 1
                 if ok:
-                    latencies.append(time.perf_counter() - t0)
+                    latencies.append(elapsed_one)
                 else:
                     errors += 1
         finally:
@@ -259,6 +283,41 @@ def touch_every_user(url: str, questions: list[tuple[str, str]], k: int, m: int)
         response = httpx.post(f"{url}/v1/retrieve", json={"queries": queries[start:start + 64]},
                               headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
         response.raise_for_status()
+
+
+def write_shadow_checkpoint(bank: Path, folder: Path, extra: dict[str, object]) -> None:
+    """An untrained reranker checkpoint of the kind the server's live learner is (this bank's encoder
+    and dimension, the learner settings `extra` gives): the shadow of a `--shadow` run."""
+    from rmm.encoders import load_encoder
+    from rmm.policy.learner import is_normalized_encoder
+    from rmm.policy.registry import SHARED, LearnerRegistry
+    from rmm.serve.config import load_config
+
+    config = load_config(None, {"bank": str(bank), **extra}, environ={})
+    encoder = load_encoder(config.encoder, device="cpu")
+    registry = LearnerRegistry(encoder.dim, config.learner_config(is_normalized_encoder(encoder)),
+                               encoder_name=encoder.fingerprint)
+    registry.get(SHARED).save(folder)
+
+
+def shadow_settings(checkpoint: Path) -> dict[str, object]:
+    """The server settings of a `--shadow` run's shadow arm: the bench tenant's learner judged, the
+    bench tenant an admin (so the bench may read `GET /v1/ope`)."""
+    return {"shadow": {"checkpoint": str(checkpoint), "key": TENANT, "admin_tenants": [TENANT]}}
+
+
+def time_ope(url: str) -> tuple[float, dict]:
+    """Seconds one `GET /v1/ope` took, and its answer."""
+    t0 = time.perf_counter()
+    response = httpx.get(f"{url}/v1/ope", headers={"Authorization": f"Bearer {KEY}"}, timeout=600)
+    elapsed = time.perf_counter() - t0
+    response.raise_for_status()
+    return elapsed, response.json()
+
+
+def shadow_arms(rounds: int) -> list[str]:
+    """The shadow arms in the order they run: off-on, on-off, off-on, ..."""
+    return [arm for r in range(rounds) for arm in (("off", "on") if r % 2 == 0 else ("on", "off"))]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -383,6 +442,11 @@ def main() -> int:
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--profile", metavar="DIR", help="record the server with py-spy during each timed run "
                         "(DIR/serve-MODE-CLIENTS.txt, collapsed stacks) and print its top functions")
+    parser.add_argument("--shadow", action="store_true",
+                        help="server CPU per request with and without a shadow reranker, clients sending feedback "
+                             "(see the module docstring)")
+    parser.add_argument("--shadow-rounds", type=int, default=1,
+                        help="--shadow: off/on pairs per configuration, alternating their order (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -404,6 +468,10 @@ def main() -> int:
     if not args.bank:  # the bench's own bank: the selections earlier runs left pending (tens of KB each) go
         for leftover in bank.glob("selections.sqlite*"):
             leftover.unlink()
+        if args.shadow and (bank / "reranker").is_dir():  # what earlier runs' feedback trained
+            import shutil
+
+            shutil.rmtree(bank / "reranker")
     print(f"bank {bank} ({what}); K {args.k}, M {args.m}; server device {args.device}, torch threads "
           f"{args.threads or 'default'}; {os.cpu_count()} CPUs; settings {extra or 'default'}", flush=True)
     t0 = time.perf_counter()
@@ -413,17 +481,25 @@ def main() -> int:
         pairs = build_bank(bank, args.data_dir, args.conversations)
     print(f"  ready in {time.perf_counter() - t0:.1f} s; {len(pairs)} questions", flush=True)
     rows: list[Row] = []
+    ope_calls: list[tuple[str, int, float, dict]] = []  # (batching, clients, seconds, answer) of GET /v1/ope
     with tempfile.TemporaryDirectory(prefix="rmm-bench-serve-") as tmp:
-        for mode in args.modes:
+        shadow_checkpoint = Path(tmp) / "shadow"
+        if args.shadow:
+            write_shadow_checkpoint(bank, shadow_checkpoint, extra)
+        for mode, arm in [(mode, arm) for mode in args.modes
+                          for arm in (shadow_arms(args.shadow_rounds) if args.shadow else ["none"])]:
             batching = mode == "on"
+            settings = {**extra, **(shadow_settings(shadow_checkpoint) if arm == "on" else {})}
             proc, url, _log = start_server(bank, Path(tmp), batching, args.max_batch, args.max_wait_ms, args.device,
-                                          args.threads or None, extra)
+                                          args.threads or None, settings, tag=f"-shadow-{arm}")
             health = server_health(url)
-            print(f"  server ({mode}): torch threads {health['torch_threads']}; {engine_line(health)}", flush=True)
+            print(f"  server ({mode}{'' if arm == 'none' else f', shadow {arm}'}): torch threads "
+                  f"{health['torch_threads']}; {engine_line(health)}", flush=True)
+            feedback = arm != "none"
             try:
                 touch_every_user(url, pairs, args.k, args.m)
                 for clients in args.clients:
-                    asyncio.run(load(url, pairs, clients, args.warmup, args.k, args.m, args.seed + 99))
+                    asyncio.run(load(url, pairs, clients, args.warmup, args.k, args.m, args.seed + 99, feedback))
                     profile = Path(args.profile) / f"serve-{mode}-{clients}.txt" if args.profile else None
                     spy = None
                     if profile is not None:
@@ -432,7 +508,7 @@ def main() -> int:
                     before, cpu_before = batch_totals(url), cpu_seconds(proc.pid)
                     client_before = time.process_time()
                     latencies, errors, sent, elapsed = asyncio.run(
-                        load(url, pairs, clients, args.duration, args.k, args.m, args.seed))
+                        load(url, pairs, clients, args.duration, args.k, args.m, args.seed, feedback))
                     client_cpu = time.process_time() - client_before
                     after, cpu_after = batch_totals(url), cpu_seconds(proc.pid)
                     if spy is not None and profile is not None:
@@ -450,14 +526,20 @@ def main() -> int:
                               errors=errors, load_avg=os.getloadavg()[0],
                               server_cpu_ms=1000 * (cpu_after - cpu_before) / max(1, sent),
                               client_cpu_ms=1000 * client_cpu / max(1, sent), client_cpu_share=client_cpu / elapsed,
-                              prepare_busy=(after[2] - before[2]) / elapsed, finish_busy=(after[3] - before[3]) / elapsed)
+                              prepare_busy=(after[2] - before[2]) / elapsed, finish_busy=(after[3] - before[3]) / elapsed,
+                              shadow=arm)
                     rows.append(row)
                     print(f"  batching {mode:3s} clients {clients:3d}: {row.req_per_s:7.1f} req/s  "
                           f"p50 {row.p50_ms:7.1f} ms  p90 {row.p90_ms:7.1f} ms  p99 {row.p99_ms:7.1f} ms  max {row.max_ms:7.1f} ms  batch {row.mean_batch:5.1f}  "
                           f"server CPU {row.server_cpu_ms:5.1f} ms/req  client CPU {row.client_cpu_ms:4.2f} ms/req "
                           f"({100 * row.client_cpu_share:.0f}% of a core)  stages busy (encode / search+rerank+store) {stage_busy(row)}  errors {errors}  "
-                          f"load {row.load_avg:.1f}",
+                          f"load {row.load_avg:.1f}{'' if arm == 'none' else f'  shadow {arm}'}",
                           flush=True)
+                    if arm == "on":
+                        seconds, answer = time_ope(url)
+                        ope_calls.append((mode, clients, seconds, answer))
+                        print(f"  GET /v1/ope: {1000 * seconds:.0f} ms over {answer['selections']} rewarded "
+                              f"selections: {answer['status']} ({answer['reason']})", flush=True)
             finally:
                 proc.terminate()
                 try:
@@ -466,16 +548,16 @@ def main() -> int:
                     proc.kill()
 
     print()
-    print("| clients | batching | max_batch | max_wait_ms | req/s | p50 ms | p90 ms | p99 ms | max ms | mean batch "
-          "| server CPU ms/req | client CPU ms/req | busy: encode / search+rerank+store | errors | load |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| clients | batching | shadow | max_batch | max_wait_ms | req/s | p50 ms | p90 ms | p99 ms | max ms "
+          "| mean batch | server CPU ms/req | client CPU ms/req | busy: encode / search+rerank+store | errors | load |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r.clients} | {r.batching} | {r.max_batch} | {r.max_wait_ms:g} | {r.req_per_s:.1f} | "
+        print(f"| {r.clients} | {r.batching} | {r.shadow} | {r.max_batch} | {r.max_wait_ms:g} | {r.req_per_s:.1f} | "
               f"{r.p50_ms:.1f} | {r.p90_ms:.1f} | {r.p99_ms:.1f} | {r.max_ms:.1f} | {r.mean_batch:.1f} | {r.server_cpu_ms:.1f} | {r.client_cpu_ms:.2f} | "
               f"{stage_busy(r)} | {r.errors} | "
               f"{r.load_avg:.1f} |")
-    on = {r.clients: r for r in rows if r.batching == "on"}
-    off = {r.clients: r for r in rows if r.batching == "off"}
+    on = {r.clients: r for r in rows if r.batching == "on" and r.shadow != "on"}
+    off = {r.clients: r for r in rows if r.batching == "off" and r.shadow != "on"}
     common = [c for c in args.clients if c in on and c in off]
     if common:
         print()
@@ -484,6 +566,10 @@ def main() -> int:
                   f"p99 on / off = {on[c].p99_ms:.1f} / {off[c].p99_ms:.1f} ms = "
                   f"{on[c].p99_ms / off[c].p99_ms:.2f}x, server CPU per request off / on = "
                   f"{off[c].server_cpu_ms / on[c].server_cpu_ms:.2f}x")
+    if args.shadow:
+        print()
+        for line in shadow_summary(rows, ope_calls):
+            print(line)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
         print(f"wrote {args.json}")
@@ -499,12 +585,32 @@ def main() -> int:
     return 0
 
 
+def shadow_summary(rows: list[Row], ope_calls: list[tuple[str, int, float, dict]]) -> list[str]:
+    """Per batching mode and client count: server CPU per request with the shadow over without (the
+    mean of each arm's runs), and the `GET /v1/ope` latencies."""
+    lines = []
+    for mode, clients in sorted({(r.batching, r.clients) for r in rows if r.shadow == "on"}):
+        arms = {arm: [r for r in rows if (r.batching, r.clients, r.shadow) == (mode, clients, arm)]
+                for arm in ("on", "off")}
+        if not arms["off"]:
+            continue
+        cpu = {arm: sum(r.server_cpu_ms for r in runs) / len(runs) for arm, runs in arms.items()}
+        rate = {arm: sum(r.req_per_s for r in runs) / len(runs) for arm, runs in arms.items()}
+        calls = [f"{1000 * s:.0f} ms ({a['selections']} rows, {a['status']})"
+                 for m, c, s, a in ope_calls if (m, c) == (mode, clients)]
+        lines.append(f"batching {mode} clients {clients}: server CPU per request (retrieve + feedback) shadow on / off "
+                     f"= {cpu['on']:.2f} / {cpu['off']:.2f} ms = {cpu['on'] / cpu['off']:.3f}x "
+                     f"({100 * (cpu['on'] / cpu['off'] - 1):+.1f}%); req/s {rate['on']:.1f} / {rate['off']:.1f}; "
+                     f"GET /v1/ope {', '.join(calls)}")
+    return lines
+
+
 def batching_slower(rows: list[Row]) -> list[str]:
     """The client counts at which batching on answered fewer requests a second than off: micro-
     batching exists to be faster, so a slower 'on' is a fast path gone wrong on this machine
     (issue 34: 0.3 vs 125 req/s with oneDNN's int8 kernel on an AMD EPYC)."""
-    on = {r.clients: r for r in rows if r.batching == "on"}
-    off = {r.clients: r for r in rows if r.batching == "off"}
+    on = {r.clients: r for r in rows if r.batching == "on" and r.shadow != "on"}
+    off = {r.clients: r for r in rows if r.batching == "off" and r.shadow != "on"}
     return [f"batching on is slower than off at {c} clients: {on[c].req_per_s:.1f} vs {off[c].req_per_s:.1f} req/s"
             for c in sorted(set(on) & set(off)) if on[c].req_per_s < off[c].req_per_s]
 

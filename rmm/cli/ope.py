@@ -19,6 +19,13 @@ TARGET is a reranker checkpoint folder, a run folder (its shared reranker), a ba
 it learns). A checkpoint samples at its own τ unless `--tau`; baselines at each row's logged τ.
 `--greedy` evaluates serving the target's top M without exploration.
 The estimators and their assumptions are `rmm.ope`'s.
+
+`rmm ope --server URL --api-key KEY` asks a running `rmm serve` (through `rmm.serve.client`) for its
+shadow reranker's running estimate against the live policy (`GET /v1/ope`); with `--promote` it asks
+the server to swap the live weights for the shadow's (`POST /v1/reranker/promote`), which it does only
+when the shadow's lower bound clears the live value. Either way both figures are printed; exit 0 on
+promotion, 1 on a refusal (one line: why, with both figures), 2 on an error (server unreachable, a key
+that is not an admin's, no shadow configured). The key must be an admin tenant's (`shadow.admin_tenants`).
 """
 
 from __future__ import annotations
@@ -26,11 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
 
-from rmm.cli.arguments import non_negative_int, open_fraction, positive_float, positive_int, probability
+from rmm.cli.arguments import add_check, non_negative_int, open_fraction, positive_float, positive_int, probability
 from rmm.cli.common import add_verbose, console, write_json
 from rmm.errors import RmmError
 
@@ -40,14 +48,24 @@ log = logging.getLogger(__name__)
 
 SELECTIONS_FILE = "selections.sqlite"  # rmm.serve.service.SELECTIONS_FILE (not imported: keeps --help fast)
 BANK_RERANKER = "reranker"  # rmm.serve.service.CHECKPOINT_DIR
+API_KEY_ENV = "RMM_API_KEY"
 _MISMATCH_TOL = 1e-3  # |recomputed log μ − logged| above which a row's scores are not what it was sampled from
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("ope", help="off-policy evaluation: a reranker's value on logged selections",
                               description=__doc__.splitlines()[0])
-    p.add_argument("logs", help="bank folder, selections.sqlite, postgresql:// URL, or `rmm train --output` folder")
-    p.add_argument("target", help="checkpoint folder, run folder, bank folder, `uniform` or `retriever`")
+    p.add_argument("logs", nargs="?",
+                   help="bank folder, selections.sqlite, postgresql:// URL, or `rmm train --output` folder")
+    p.add_argument("target", nargs="?", help="checkpoint folder, run folder, bank folder, `uniform` or `retriever`")
+    p.add_argument("--server", metavar="URL", help="ask a running rmm serve for its shadow's estimate instead "
+                                                   "(GET /v1/ope) of reading logs here")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"an admin tenant's key for --server (default ${API_KEY_ENV})")
+    p.add_argument("--promote", action="store_true",
+                   help="with --server: promote the shadow to serve if its lower bound clears the live value "
+                        "(POST /v1/reranker/promote); exit 0 promoted, 1 refused")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="--server request timeout, seconds")
     p.add_argument("--tau", type=positive_float, help="the target's sampling temperature (default: a checkpoint's "
                                                       "own; baselines: each row's logged τ)")
     p.add_argument("--greedy", action="store_true", help="evaluate the target's top M (explore=false)")
@@ -70,7 +88,23 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", help="write the figures as JSON")
     add_verbose(p)
+    add_check(p, _check_mode)
     p.set_defaults(func=run)
+
+
+def _check_mode(args: argparse.Namespace) -> str | None:
+    """Either LOGS and TARGET (evaluate here) or --server (ask a running server), never both."""
+    if args.server is None:
+        if args.promote:
+            return "--promote needs --server URL (the running rmm serve whose shadow to promote)"
+        if args.logs is None or args.target is None:
+            return "give LOGS and TARGET, or --server URL"
+        return None
+    if args.logs is not None:
+        return "--server asks a running server: give no LOGS or TARGET with it"
+    if not args.api_key:
+        return f"--server needs --api-key (or ${API_KEY_ENV}): an admin tenant's key"
+    return None
 
 
 # ---- reading logs ----------------------------------------------------------------------------------
@@ -266,9 +300,58 @@ def _print(report: Any, source: str, skipped: Skipped) -> None:
         console.print(f"note: {note}", highlight=False)
 
 
+# ---- a running server's shadow ---------------------------------------------------------------------
+def _fmt(value: float | None, sign: bool = True) -> str:
+    return "–" if value is None else (f"{value:+.4f}" if sign else f"{value:,.1f}")
+
+
+def _print_decision(d: Any) -> None:
+    """The server's decision: the shadow's estimate and lower bound beside the live value."""
+    from rich.markup import escape
+
+    from rmm.cli.tables import Figures, print_figures
+
+    pct = f"{100 * d.level:.0f}%"
+    table = Figures(f"rmm ope --server: shadow {d.shadow} vs live ({d.key or 'bank'})",
+                    ["estimator", "reward", f"{pct} CI", "ESS"],
+                    caption=f"{d.selections:,} rewarded sampled selections of the live policy; live value "
+                            f"{_fmt(d.live_value)} per shown memory; bar: {d.estimator} lower bound > live "
+                            f"value + margin {d.margin:g}")
+    for name, e in d.estimates.items():
+        table.add_row(name + (" *" if name == d.estimator else ""), _fmt(e.get("value")),
+                      f"[{_fmt(e.get('low'))}, {_fmt(e.get('high'))}]", _fmt(e.get("ess"), sign=False))
+    if d.estimates:
+        print_figures(table, console)
+    console.print(escape(f"{d.status}: {d.reason}"), highlight=False, soft_wrap=True)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`--server`: print the running estimate, or ask for promotion (module docstring for exit codes)."""
+    from rich.markup import escape
+
+    from rmm.serve.client import RmmClient, RmmServerError
+
+    with RmmClient(args.server, args.api_key, timeout=args.timeout) as client:
+        try:
+            decision = client.promote() if args.promote else client.ope()
+        except RmmServerError as exc:
+            if exc.status == 409 and exc.code == "promotion_refused":
+                console.print(escape(exc.message), highlight=False, soft_wrap=True)  # "promotion refused: why, both figures"
+                return 1
+            raise RmmError(exc.message if exc.status == 0 else f"{args.server}: {exc}") from exc
+    _print_decision(decision)
+    if args.promote:
+        console.print(escape(f"promoted: the shadow's weights now serve {decision.key or 'the bank'}; the previous "
+                             f"live weights are kept at {decision.previous}"), highlight=False, soft_wrap=True)
+    write_json(args.json, {**decision.model_dump(), "server": args.server})
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from rmm.ope import EXACT_LIMIT, evaluate
 
+    if args.server is not None:
+        return run_server(args)
     rows, skipped, source = read_logs(args.logs, args.key, args.limit)
     if len(rows) < 2:
         why = f" (skipped: {dict(skipped)})" if skipped else ""
