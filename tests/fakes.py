@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import hashlib
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +18,33 @@ from rmm.types import Memory
 
 DIM = 64
 Reply = str | Callable[[str], str]
+
+
+@contextlib.contextmanager
+def loopback_server(app: Any, **config: Any) -> Iterator[str]:
+    """`app` under a real uvicorn server on a free loopback port, in a thread (lifespan on); yields
+    its URL; leaving the block shuts it down gracefully. `config`: more `uvicorn.Config` settings."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **config))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 class FakeClock:

@@ -5,11 +5,11 @@ moved by a merge (`rewire`), and a failure half-way through a write leaves nothi
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from test_store import store  # noqa: F401 - the same two stores (SQLite, embedded PostgreSQL)
 
 from rmm.errors import UnknownMemoryError, UnknownUserError
 from rmm.memory import graph
@@ -23,18 +23,6 @@ def event(memory_id: str, user: str = "alice", text: str | None = None, **fields
     fields.setdefault("refs", [f"t:{memory_id}"])
     fields.setdefault("time_span", ("2024-01-01", None))
     return Memory(id=memory_id, user_id=user, kind="event", text=text or f"event {memory_id}", **fields)  # type: ignore[arg-type]
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MemoryStorage]:
-    if request.param == "sqlite":
-        s: MemoryStorage = MemoryStore(tmp_path / "memories.sqlite")
-    else:
-        from rmm.memory.pg_store import PostgresStore
-
-        s = PostgresStore(request.getfixturevalue("pg_url"))
-    yield s
-    s.close()
 
 
 def chain(store: MemoryStorage) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import uvicorn
-from fakes import BagOfWordsEncoder
+from fakes import BagOfWordsEncoder, loopback_server
 from test_serve_shadow import GOOD, Q0, config, log_traffic, write_shadow
 
 from rmm.cli import main
@@ -36,24 +35,11 @@ def serving(bank: Path, traffic: int = 0, **shadow: object) -> Iterator[tuple[st
     cfg = config(bank, **shadow) if shadow else config(bank)
     cfg.shadow.admin_tenants = ["admin"]
     app = create_app(cfg, encoder=BagOfWordsEncoder())
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
+    with loopback_server(app) as url:
         service = app.state.service
         if traffic:
             log_traffic(service, traffic)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", service
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+        yield url, service
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import uvicorn
-from fakes import BagOfWordsEncoder
+from fakes import BagOfWordsEncoder, loopback_server
 
 from rmm.serve.app import create_app
 from rmm.serve.client import AsyncRmmClient, Query, RmmClient, RmmServerError
@@ -29,23 +27,8 @@ def running_server(bank: Path, **overrides) -> Iterator[str]:
     """A real server in a thread; leaving the block shuts it down gracefully (lifespan runs)."""
     config = load_config(None, {"bank": str(bank), "auth.keys": {KEY: "acme", OTHER: "other"}, "device": "cpu",
                                 "learner": {"batch_size": 2}, **overrides}, environ={})
-    app = create_app(config, encoder=BagOfWordsEncoder())
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    with loopback_server(create_app(config, encoder=BagOfWordsEncoder())) as url:
+        yield url
 
 
 @pytest.fixture

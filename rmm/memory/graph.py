@@ -26,7 +26,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rmm.memory.validation import check_edge, check_event, check_topic, require_events
+from rmm.memory.validation import (
+    as_matrix,
+    check_edge,
+    check_event,
+    check_topic,
+    check_user_name,
+    duplicate_keys,
+    require_events,
+)
 from rmm.types import Memory
 
 __all__ = ["DIRECTIONS", "GRAPH_TABLES", "SQLITE_TABLES", "Direction", "Edge", "Event", "GraphWrite", "Topic"]
@@ -121,7 +129,9 @@ class GraphWrite:
     @classmethod
     def check(cls, user: str, events: Iterable[Event | Memory], edges: Iterable[Edge] = (),
               topics: Iterable[Topic] = ()) -> GraphWrite:
-        """Refuse bad input before any transaction starts (a bare `Memory` is an event without participants)."""
+        """Refuse bad input before any transaction starts (a bare `Memory` is an event without
+        participants): the user name, each event, the edge and topic records, duplicate ids."""
+        check_user_name(user)
         checked = tuple(e if isinstance(e, Event) else Event(e) for e in events)
         for event in checked:
             check_event(user, event.memory, event.participants)
@@ -130,11 +140,16 @@ class GraphWrite:
         for item, kind in [(e, Edge) for e in edges] + [(t, Topic) for t in topics]:
             if not isinstance(item, kind):
                 raise TypeError(f"expected {kind.__name__}, got {type(item).__name__}")
+        duplicate_keys([e.memory for e in checked])
         return cls(user, checked, edges, topics)
 
     @property
     def memories(self) -> list[Memory]:
         return [e.memory for e in self.events]
+
+    def vectors(self, embeddings: Any) -> Any:
+        """The events' embeddings as a checked [events, d] float32 matrix (None when none are given)."""
+        return None if embeddings is None or not self.events else as_matrix(embeddings, len(self.events))
 
 
 def _sql(statement: str, mark: str) -> str:

@@ -216,11 +216,9 @@ class PostgresStore:
         (`rmm.memory.graph`): a refused or failed write leaves none of them."""
         import psycopg
 
-        check_user_name(user)
         batch = graph.GraphWrite.check(user, events, edges or (), topics or ())
         memories = batch.memories
-        duplicate_keys(memories)
-        vectors = None if embeddings is None or not memories else as_matrix(embeddings, len(memories))
+        vectors = batch.vectors(embeddings)
         rows = [_row(m, None if vectors is None else vectors[j]) for j, m in enumerate(memories)]
         try:
             with self._tx() as cur:

@@ -338,12 +338,10 @@ class MemoryStore:
                    topics: list[Topic] | None = None, embeddings: torch.Tensor | np.ndarray | None = None) -> None:
         """Insert event memories with their edges and topic memberships in one transaction
         (`rmm.memory.graph`): a refused or failed write leaves none of them."""
-        check_user_name(user)
         batch = graph.GraphWrite.check(user, events, edges or (), topics or ())
         memories = batch.memories
         rows = [_memory_row(m) for m in memories]
-        duplicate_keys(memories)
-        vectors = None if embeddings is None or not memories else as_matrix(embeddings, len(memories))
+        vectors = batch.vectors(embeddings)
         with self._write() as cur:
             if memories:
                 self._insert(cur, memories, rows, vectors)
