@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import shlex
+import sys
 import time
+from pathlib import Path
 
 from rmm.training.online import OnlineConfig
 from rmm.training.splits import split_questions
 
+from rmm.bench.ablations import commit
 from rmm.data import load_dataset
 from rmm.eval.benchmark_bank import open_retriever
 from rmm.eval.retrieval import GoldScorer, evaluate, scorable
@@ -33,7 +38,13 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, nargs="+", default=[0.3, 0.5, 0.7])
     parser.add_argument("--depth", type=int, default=50)
     parser.add_argument("--per-user", action="store_true", help="split as rmm train --per-user does")
+    parser.add_argument("--out", type=Path, help="append one JSON line per rule (with the command and commit)")
     args = parser.parse_args()
+    measured_at = commit()
+    argv = [a for a in sys.argv[1:]]
+    if "--out" in argv:  # the command that measures the rows, wherever they are written
+        del argv[argv.index("--out"):argv.index("--out") + 2]
+    command = shlex.join(["python", "research/choose_fusion.py", *argv])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     dataset = load_dataset(args.dataset)
@@ -55,6 +66,11 @@ def main() -> None:
         o = report.overall
         log.info("%-14s %6.1f %6.1f %7.1f %5.0f", name, 100 * o["recall@5"], 100 * o["recall@20"],
                  100 * o["ndcg@5"], time.perf_counter() - t0)
+        if args.out:
+            row = {"rule": name, "dataset": args.dataset, "questions": o["n"], "command": command,
+                   "commit": measured_at, **{key: o[key] for key in ("recall@5", "recall@20", "ndcg@5")}}
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ Benchmarks
     topics         the non-LLM topic fallback, old code vs new: CPU time, and the same memories built
 
 docs/results.md's tables
+    results            every table of docs/results.md measured at one commit (`run`) and rendered (`table`)
     ablations          many `rmm train` configurations in one process, training stream unless --read-heldout
     ablation_table     markdown tables from `ablations`' JSON lines (no figure typed by hand)
     newest_rows        merges held-out JSON-line files so the newest reading of each row wins

@@ -21,9 +21,30 @@ log = logging.getLogger("rmm.bench.ablation_table")
 
 
 def pct(value: float | None, signed: bool = False) -> str:
-    if value is None or value == "None":
+    if value is None or value == "None" or value != value:  # None, or NaN: no question had the figure
         return "n/a"
     return f"{100 * value:+.1f}" if signed else f"{100 * value:.1f}"
+
+
+def command_cell(row: dict[str, Any]) -> str:
+    """The row's own command (rows written before commands were recorded have none)."""
+    return f"`{row['command']}`" if row.get("command") else "n/a"
+
+
+def one_commit(rows: list[dict[str, Any]]) -> str | None:
+    """The commit every row was measured at; a `SystemExit` naming them when rows disagree (a table
+    mixing code versions is not one measurement). None when no row records its commit (older files)."""
+    commits = sorted({str(r.get("commit")) for r in rows})
+    if len(commits) > 1:
+        raise SystemExit(f"error: the rows were measured at {len(commits)} commits ({', '.join(commits)}); "
+                         "re-measure them at one, or pass --mixed-commits to show them anyway")
+    return rows[0].get("commit") if rows else None
+
+
+def arrow(row: dict[str, Any], metric: str) -> str:
+    """`alone → + reranker` of one metric ("alone" only where the row has no reranker)."""
+    base, reranked = row.get(f"base {metric}"), row.get(f"reranked {metric}")
+    return pct(base) + ("" if reranked is None else f" → {pct(reranked)}")
 
 
 def overrides_text(row: dict[str, Any]) -> str:
@@ -34,8 +55,8 @@ def overrides_text(row: dict[str, Any]) -> str:
 
 def prequential_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [("| run | dataset · retriever · limit | settings | R@5 retriever → reranker | lift | lift, 2nd half | "
-           "R@20 (ceiling) | headroom captured | promoting draws |"),
-           "|---|---|---|---|---:|---:|---:|---:|---:|"]
+           "R@20 (ceiling) | headroom captured | promoting draws | command |"),
+           "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         p = r["prequential"]
         hc = p["headroom_captured"]
@@ -43,7 +64,8 @@ def prequential_table(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"| {r['name']} | {r['dataset']} · {r['retriever']}{memories} · {r.get('limit') or 'all'} | "
                    f"{overrides_text(r)} | {pct(p['retriever'])} → {pct(p['reranker'])} | {pct(p['lift'], True)} | "
                    f"{pct(p['lift_second_half'], True)} | {pct(p['ceiling_recall@20'])} | "
-                   f"{'n/a' if hc is None else f'{100 * hc:.0f}%'} | {pct(p['promoting_selections'])}% |")
+                   f"{'n/a' if hc is None else f'{100 * hc:.0f}%'} | {pct(p['promoting_selections'])}% | "
+                   f"{command_cell(r)} |")
     return out
 
 
@@ -88,33 +110,39 @@ def ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def heldout_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [("| dataset · memories · retriever | run | questions | group | R@5 alone | R@5 reranked | R@20 | "
-           "nDCG@5 alone | nDCG@5 reranked | headroom captured |"),
-           "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+           "R@15t alone → reranked | R@25t alone → reranked | nDCG@5 alone | nDCG@5 reranked | headroom captured | "
+           "command |"),
+           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in ordered(superseded(rows)):
-        for group, f in r.get("heldout", {}).items():
+        for n, (group, f) in enumerate(r.get("heldout", {}).items()):
             hc = f["headroom_captured"]
+            command = command_cell(r) if n == 0 else "〃"  # one command measures every group of the run
             out.append(f"| {r['dataset']} · {r.get('granularity', 'turn')} · {r['retriever']} | {r['name']} | "
                        f"{f['questions']} | {group} | {pct(f['base recall@5'])} | {pct(f['reranked recall@5'])} | "
-                       f"{pct(f['base recall@20'])} | {pct(f['base ndcg@5'])} | {pct(f['reranked ndcg@5'])} | "
-                       f"{'n/a' if hc is None else f'{100 * hc:.0f}%'} |")
+                       f"{pct(f['base recall@20'])} | {arrow(f, 'recall_turns@15')} | {arrow(f, 'recall_turns@25')} | "
+                       f"{pct(f['base ndcg@5'])} | {pct(f['reranked ndcg@5'])} | "
+                       f"{'n/a' if hc is None else f'{100 * hc:.0f}%'} | {command} |")
     return out
 
 
 def headline_table(rows: list[dict[str, Any]]) -> list[str]:
-    """One row per dataset · memories · first stage: the held-out headline questions only."""
+    """One row per dataset · memories · first stage: the held-out headline questions only, each with
+    the command that measured it. R@T reads the M memories shown within T dialogue turns, so memories
+    of different sizes compare at the same amount of dialogue shown."""
     kept = ordered([r for r in superseded(rows) if "heldout" in r])
-    out = [("| dataset · memories · first stage | R@5 alone | R@5 + reranker | lift | R@20 | "
-           "nDCG@5 alone → + reranker | headroom captured |"),
-           "|---|---:|---:|---:|---:|---:|---:|"]
+    out = [("| dataset · memories · first stage | questions | R@5 alone | R@5 + reranker | lift | R@20 | "
+            "R@15t alone → + reranker | R@25t alone → + reranker | nDCG@5 alone → + reranker | headroom captured | "
+            "command |"),
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in kept:
         h = r["heldout"]["headline"]
         base, reranked = h["base recall@5"], h["reranked recall@5"]
-        ndcg = pct(h["base ndcg@5"]) + ("" if reranked is None else f" → {pct(h['reranked ndcg@5'])}")
         lift = "n/a" if reranked is None else pct(reranked - base, True)
         hc = h["headroom_captured"]
-        out.append(f"| {r['dataset']} · {r.get('granularity', 'turn')} · {r['retriever']} | {pct(base)} | "
-                   f"{pct(reranked)} | {lift} | {pct(h['base recall@20'])} | {ndcg} | "
-                   f"{'n/a' if hc is None else f'{100 * hc:.0f}%'} |")
+        out.append(f"| {r['dataset']} · {r.get('granularity', 'turn')} · {r['retriever']} | {h['questions']} | "
+                   f"{pct(base)} | {pct(reranked)} | {lift} | {pct(h['base recall@20'])} | "
+                   f"{arrow(h, 'recall_turns@15')} | {arrow(h, 'recall_turns@25')} | {arrow(h, 'ndcg@5')} | "
+                   f"{'n/a' if hc is None else f'{100 * hc:.0f}%'} | {command_cell(r)} |")
     return out
 
 
@@ -123,8 +151,13 @@ def main() -> None:
     parser.add_argument("files", type=Path, nargs="+")
     parser.add_argument("--heldout", action="store_true", help="per-category held-out tables (final candidates)")
     parser.add_argument("--headline", action="store_true", help="held-out headline rows only, one per first stage")
+    parser.add_argument("--mixed-commits", action="store_true",
+                        help="show rows measured at different commits (refused by default)")
     args = parser.parse_args()
     rows = [json.loads(line) for path in args.files for line in path.read_text().splitlines() if line.strip()]
+    measured_at = None if args.mixed_commits else one_commit(rows)
+    if measured_at:
+        sys.stdout.write(f"measured at commit {measured_at}\n\n")
     lines = headline_table(rows) if args.headline else heldout_table(rows) if args.heldout else prequential_table(rows)
     sys.stdout.write("\n".join(lines) + "\n")
 

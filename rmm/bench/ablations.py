@@ -36,6 +36,8 @@ import json
 import logging
 import os
 import re
+import shlex
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +50,7 @@ from rmm.training.splits import split_questions
 from rmm.data import load_dataset
 from rmm.encoders.passage_cache import attach_cache
 from rmm.eval.benchmark_bank import open_retriever
+from rmm.eval.metrics import TURN_BUDGETS
 from rmm.eval.retrieval import (
     SEPARATE_CATEGORIES,
     GoldScorer,
@@ -60,6 +63,7 @@ from rmm.policy.learner import recipe_for
 log = logging.getLogger("rmm.bench.ablations")
 PREFIX = re.compile(r"^what do you know about:\s*", re.IGNORECASE)
 EXTRAS = ("feature",)  # run settings that are not OnlineConfig fields
+TURN_METRICS = tuple(f"recall_turns@{t}" for t in TURN_BUDGETS)  # R@T of the M memories shown
 
 
 class CountingTrainer(OnlineTrainer):
@@ -105,6 +109,38 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def commit() -> str | None:
+    """The checkout's commit (``-dirty`` when it has uncommitted changes), or None outside git: every
+    row names the code that measured it, so a table can refuse rows of different commits."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "rmm", "training"],
+                               cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
+def row_command(args: argparse.Namespace, spec: str) -> str:
+    """The one command that measures this row alone (its own `--run`), as a person would type it."""
+    argv = ["python", "-m", "rmm.bench.ablations", "--dataset", args.dataset, "--retriever", args.retriever,
+            "--granularity", args.granularity]
+    argv += ["--limit", str(args.limit)] if args.limit is not None else []
+    argv += ["--recipe", args.recipe] if args.recipe != "auto" else []
+    argv += [flag for flag, on in (("--no-dedup", args.no_dedup), ("--strip-prefix", args.strip_prefix),
+                                   ("--read-heldout", args.read_heldout), ("--alone", args.alone)) if on]
+    argv += ["--run", spec]
+    argv += ["--threads", str(args.threads)] if args.threads is not None else []
+    return shlex.join(argv)
+
+
+def _turns_at_m(scorer: GoldScorer, refs: list[list[str]], q: Any, m: int) -> dict[str, float]:
+    """R@T (`recall_turns@T`) of the M memories shown, as `rmm train` reads it."""
+    return scorer.turn_budgets(refs[:m], q)
+
+
 def prequential(trainer: CountingTrainer) -> dict[str, Any]:
     """The run's training-stream figures (headline questions: the dataset's separate categories excluded)."""
     cfg, separate = trainer.cfg, set(SEPARATE_CATEGORIES.get(trainer.dataset.name, ()))
@@ -135,8 +171,11 @@ def heldout_table(trainer: CountingTrainer) -> dict[str, dict[str, Any]]:
     for q in trainer.split.heldout:
         cand = trainer.cands[q.id]
         orders = {"base": list(range(len(cand))), "reranked": trainer.greedy(cand, q.user_id)}
-        rows = {name: trainer.scorer.score([trainer.refs[cand.memory_ids[i]] for i in order], q, ks)
-                for name, order in orders.items()}
+        rows = {}
+        for name, order in orders.items():
+            refs = [trainer.refs[cand.memory_ids[i]] for i in order]
+            rows[name] = trainer.scorer.score(refs, q, ks, budgets=())
+            rows[name].update(_turns_at_m(trainer.scorer, refs, q, cfg.eval_k))
         pair = (rows["base"], rows["reranked"])
         groups.setdefault(f"category {q.category}", []).append(pair)
         if q.category not in separate:
@@ -147,6 +186,8 @@ def heldout_table(trainer: CountingTrainer) -> dict[str, dict[str, Any]]:
         for side, idx in (("base", 0), ("reranked", 1)):
             for metric in (f"recall@{cfg.eval_k}", f"recall@{cfg.k}", f"ndcg@{cfg.eval_k}"):
                 fig[f"{side} {metric}"] = mean([pair[idx][metric] for pair in pairs])
+            for metric in TURN_METRICS:  # questions with gold turns only (`score_turn_budgets`)
+                fig[f"{side} {metric}"] = mean([pair[idx][metric] for pair in pairs if metric in pair[idx]])
         fig["headroom_captured"] = headroom_captured(fig[f"reranked recall@{cfg.eval_k}"],
                                                      fig[f"base recall@{cfg.eval_k}"], fig[f"base recall@{cfg.k}"])
         table[group] = fig
@@ -166,7 +207,9 @@ def alone_table(dataset: Any, retriever: Any, cfg: OnlineConfig) -> dict[str, di
         qs = [q for q in split.heldout if q.user_id == user]
         refs = {mem.id: mem.refs for mem in _get_memories(retriever, user)}
         for q, cand in zip(qs, retriever.search([q.text for q in qs], user, k)):
-            row = scorer.score([refs[mid] for mid in cand.memory_ids], q, sorted({m, k}))
+            shown = [refs[mid] for mid in cand.memory_ids]
+            row = scorer.score(shown, q, sorted({m, k}), budgets=())
+            row.update(_turns_at_m(scorer, shown, q, m))
             groups.setdefault(f"category {q.category}", []).append(row)
             if q.category not in separate:
                 groups.setdefault("headline", []).append(row)
@@ -175,6 +218,9 @@ def alone_table(dataset: Any, retriever: Any, cfg: OnlineConfig) -> dict[str, di
         fig: dict[str, Any] = {"questions": len(rows)}
         for metric in (f"recall@{m}", f"recall@{k}", f"ndcg@{m}"):
             fig[f"base {metric}"] = mean([r[metric] for r in rows])
+            fig[f"reranked {metric}"] = None
+        for metric in TURN_METRICS:
+            fig[f"base {metric}"] = mean([r[metric] for r in rows if metric in r])
             fig[f"reranked {metric}"] = None
         fig["headroom_captured"] = None
         table[group] = fig
@@ -222,6 +268,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
 
+    measured_at = commit()
     dataset = load_dataset(args.dataset, download=False, dedup=not args.no_dedup)
     if args.strip_prefix:
         dataset.questions = [replace(q, text=PREFIX.sub("", q.text)) for q in dataset.questions]
@@ -233,6 +280,7 @@ def main() -> None:
         for spec in args.run or ["base"]:
             name, overrides, _, cfg = run_config(spec, recipe, args.limit)
             row = {"name": "alone", "run": name, "overrides": overrides, "dataset": args.dataset,
+                   "command": row_command(args, spec), "commit": measured_at,
                    "retriever": args.retriever, "granularity": args.granularity,
                    "config": {key: getattr(cfg, key) for key in ("k", "m", "eval_k", "per_user", "heldout_fraction",
                                                                  "seed")},
@@ -265,6 +313,7 @@ def main() -> None:
         if report is None:
             train_only(trainer)
         row: dict[str, Any] = {"name": name, "dataset": args.dataset, "retriever": args.retriever,
+                               "command": row_command(args, spec), "commit": measured_at,
                                "granularity": args.granularity, "strip_prefix": args.strip_prefix,
                                "limit": args.limit, "overrides": overrides, "prequential": prequential(trainer),
                                "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu,
