@@ -39,12 +39,22 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 from rmm.errors import ConfigError
 from rmm.memory.storage import is_database_url
 from rmm.serve.errors import BadRequestError
-from rmm.serve.records import FeedbackResult, NewMemory, RetrieveItem, RetrieveResult
+from rmm.serve.records import (
+    FeedbackResult,
+    NeighboursResult,
+    NewMemory,
+    RetrieveItem,
+    RetrieveResult,
+    TreeNodeInfo,
+    TreeSchema,
+    XPathResult,
+)
 from rmm.types import MEMORY_KINDS, Turn
 from rmm.types import Memory as MemoryRecord
 
 if TYPE_CHECKING:
     from rmm.encoders.protocol import EncoderLike
+    from rmm.memory.tree import NodeEdit, TreeNode
     from rmm.llm.base import LLM
     from rmm.serve.jobs import Job
     from rmm.serve.service import RetrievalService
@@ -250,11 +260,77 @@ class Memory:
         return self.service.feedback(self.tenant, selection_id, cited=cited, text=text, no_cite=no_cite,
                                      structured=structured)
 
+    # ---- the event graph and the tree -----------------------------------------------------------
+    def neighbours(self, user: str, event_id: str, query: str, *, m: int | None = None,
+                   visited: Sequence[str] = (), explore: bool | None = None, direction: str = "both",
+                   label: str | None = None) -> NeighboursResult:
+        """A slate of the event's unvisited neighbours reranked for `query` (a Gumbel top-`m` when more
+        are unvisited), as `POST /v1/users/{user}/events/{id}/neighbours`; send what your explorer
+        kept to `feedback(result.selection_id, cited=[...])`."""
+        from rmm.serve.neighbours import NeighbourRequest
+
+        config = self.service.config
+        m = config.m if m is None else m
+        if not 1 <= m <= config.limits.max_k:
+            raise BadRequestError(f"m: must be between 1 and {config.limits.max_k}, got {m}")
+        if direction not in ("out", "in", "both"):
+            raise BadRequestError(f"direction: must be 'out', 'in' or 'both', got {direction!r}")
+        _require_text(query, "query")
+        return self.service.neighbours(NeighbourRequest(
+            tenant=self.tenant, user=user, event_id=event_id, query=query, m=m,
+            explore=config.explore if explore is None else bool(explore), visited=list(visited), direction=direction,
+            label=label))
+
+    def schema(self, user: str) -> TreeSchema:
+        """Σ of the user's Semantic XPath tree (`GET /v1/users/{user}/schema`): node types, attribute
+        names, parent → child type pairs with counts, and `.text` for an LLM prompt."""
+        return self.service.schema(self.tenant, user)
+
+    def xpath(self, user: str, query: str, *, question: str | None = None, k: int | None = None,
+              m: int | None = None, explore: bool | None = None, scorer: str = "cosine") -> XPathResult:
+        """Execute a Semantic XPath query over the user's tree (`POST /v1/users/{user}/xpath`): the best
+        nodes, each step's scores and a slate of the best leaves' memories whose `selection_id`
+        `feedback` takes. A malformed query raises `QuerySyntaxError` (`.column`, `.expected`)."""
+        from rmm.serve.xpath import XPathRequest
+
+        config = self.service.config
+        k = config.k if k is None else k
+        m = min(config.m, k) if m is None else m
+        if not 1 <= k <= config.limits.max_k:
+            raise BadRequestError(f"k: must be between 1 and {config.limits.max_k}, got {k}")
+        if not 1 <= m <= k:
+            raise BadRequestError(f"cannot show m={m} memories out of k={k} candidates")
+        if scorer not in ("cosine", "reranker"):
+            raise BadRequestError(f"scorer: must be 'cosine' or 'reranker', got {scorer!r}")
+        _require_text(query, "query")
+        if question is not None:
+            _require_text(question, "question")
+        return self.service.xpath(XPathRequest(tenant=self.tenant, user=user, query=query, k=k, m=m,
+                                               explore=config.explore if explore is None else bool(explore),
+                                               scorer=scorer, question=question))
+
+    def tree(self, user: str, *, as_of: int | None = None) -> list[TreeNodeInfo]:
+        """The user's tree in tree order: latest versions, or as it was after generation `as_of`."""
+        return self.service.tree(self.tenant, user, as_of)[1]
+
+    def add_nodes(self, user: str, nodes: Sequence[TreeNode]) -> int:
+        """Add tree nodes (`rmm.memory.tree.TreeNode`), all or nothing; returns the user's new generation."""
+        return self.service.add_nodes(self.tenant, user, list(nodes))
+
+    def edit_nodes(self, user: str, edits: Sequence[NodeEdit]) -> int:
+        """Write each node's next version (`rmm.memory.tree.NodeEdit`); returns the new generation."""
+        return self.service.edit_nodes(self.tenant, user, list(edits))
+
+    def remove_node(self, user: str, node_id: str) -> int:
+        """Remove a node and its subtree from the latest tree (history kept); returns the new generation."""
+        return self.service.remove_node(self.tenant, user, node_id)
+
     # ---- export and import ---------------------------------------------------------------------
     def export_user(self, user: str, out: str | Path) -> dict[str, Any]:
         """Write everything stored for the user into the folder `out`: `data.jsonl` in rmm's dataset
         format (docs/dataset-format.md: the user, the sessions handed to reflection and the open
-        one with their turns, every memory, every selection with its feedback), the user's own
+        one with their turns, every memory, the event graph, every version of each tree node, every
+        selection with its feedback), the user's own
         reranker checkpoint when rerankers are per user (`reranker/`), and `manifest.json`
         (counts, checksums, where it came from). Returns the manifest."""
         from rmm.serve.export import export_user
@@ -335,6 +411,27 @@ class AsyncMemory:
     async def feedback(self, selection_id: str, **options: Any) -> FeedbackResult:
         return await self._run(self.sync.feedback, selection_id, **options)
 
+    async def neighbours(self, user: str, event_id: str, query: str, **options: Any) -> NeighboursResult:
+        return await self._run(self.sync.neighbours, user, event_id, query, **options)
+
+    async def schema(self, user: str) -> TreeSchema:
+        return await self._run(self.sync.schema, user)
+
+    async def xpath(self, user: str, query: str, **options: Any) -> XPathResult:
+        return await self._run(self.sync.xpath, user, query, **options)
+
+    async def tree(self, user: str, **options: Any) -> list[TreeNodeInfo]:
+        return await self._run(self.sync.tree, user, **options)
+
+    async def add_nodes(self, user: str, nodes: Sequence[TreeNode]) -> int:
+        return await self._run(self.sync.add_nodes, user, nodes)
+
+    async def edit_nodes(self, user: str, edits: Sequence[NodeEdit]) -> int:
+        return await self._run(self.sync.edit_nodes, user, edits)
+
+    async def remove_node(self, user: str, node_id: str) -> int:
+        return await self._run(self.sync.remove_node, user, node_id)
+
     async def export_user(self, user: str, out: str | Path) -> dict[str, Any]:
         return await self._run(self.sync.export_user, user, out)
 
@@ -388,6 +485,11 @@ def _turn(turn: tuple[str, str] | dict[str, Any] | Turn, i: int) -> Turn:
         return Turn(id=turn.get("id") or "", session_id="", speaker=speaker, text=text, time=turn.get("time"))
     speaker, text = _turn_pair(turn, i)
     return Turn(id="", session_id="", speaker=speaker, text=text)
+
+
+def _require_text(text: object, what: str) -> None:
+    if not isinstance(text, str) or not text.strip():
+        raise BadRequestError(f"{what}: must be a non-empty string")
 
 
 def _callers_job(job: Job) -> Job:

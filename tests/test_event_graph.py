@@ -160,7 +160,7 @@ def test_a_version_1_sqlite_file_is_upgraded_in_place(tmp_path: Path) -> None:
     conn.commit()
     conn.close()
     with MemoryStore(path) as s:
-        assert s.get_meta("schema_version") == str(SCHEMA_VERSION) == "2"
+        assert s.get_meta("schema_version") == str(SCHEMA_VERSION) == "3"
         assert [m.text for m in s.memories("alice")] == ["kept"]
         s.add_events("alice", [event("a"), event("b")], [Edge("a", "b", "next")])
         assert s.neighbours("alice", "a") == [Edge("a", "b", "next")]

@@ -136,7 +136,7 @@ def test_migrations_run_once_even_when_processes_start_together(pg_server_url: s
             applied = conn.execute(sql.SQL("SELECT migration_id FROM {}").format(
                 sql.Identifier(schema, "_yoyo_migration"))).fetchall()
             assert [r[0] for r in applied] == ["0001.bank", "0002.serve", "0003.lexical", "0004.features",
-                                                "0005.one_job_per_session", "0006.event_graph"]
+                                                "0005.one_job_per_session", "0006.event_graph", "0007.xpath_tree"]
             extension = conn.execute("SELECT n.nspname FROM pg_extension e JOIN pg_namespace n ON n.oid = e.extnamespace "
                                      "WHERE e.extname = 'vector'").fetchone()
             assert extension == ("public",)  # shared by every bank schema of the database

@@ -112,6 +112,17 @@ ROUTES: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {
     ("POST", "/v1/feedback"): ("/v1/feedback", {"selection_id": "nope", "text": "Hiking [0]"}),
     ("GET", "/v1/ope"): ("/v1/ope", None),  # 403: no admin tenant here
     ("POST", "/v1/reranker/promote"): ("/v1/reranker/promote", None),
+    ("POST", "/v1/users/{user}/events/{event_id}/neighbours"): ("/v1/users/ana/events/nope/neighbours", {
+        "query": "hiking", "visited": ["a"], "label": "next"}),
+    ("GET", "/v1/users/{user}/schema"): ("/v1/users/ana/schema", None),
+    ("POST", "/v1/users/{user}/xpath"): ("/v1/users/ana/xpath", {"query": '//Turn[node~"hiking"]',
+                                                                 "question": "where does Ana hike?"}),
+    ("GET", "/v1/users/{user}/tree"): ("/v1/users/ana/tree", None),
+    ("POST", "/v1/users/{user}/tree/nodes"): ("/v1/users/ana/tree/nodes", {"nodes": [
+        {"id": "n1", "type": "Turn", "parent": "nope", "attributes": {"speaker": "ana"}, "memory_id": "swim"}]}),
+    ("PATCH", "/v1/users/{user}/tree/nodes"): ("/v1/users/ana/tree/nodes", {"edits": [
+        {"id": "n1", "parent": "nope", "attributes": {"speaker": "ana"}, "memory_id": "swim"}]}),
+    ("DELETE", "/v1/users/{user}/tree/nodes/{node_id}"): ("/v1/users/ana/tree/nodes/nope", None),
 }
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 

@@ -19,6 +19,10 @@ Benchmarks
     cuda_peak      one `rmm` command's wall time and peak GPU memory (scripts/gpu_check.sh runs it)
     reflection     prospective reflection per session: LLM calls, tokens, seconds, what it stored
     topics         the non-LLM topic fallback, old code vs new: CPU time, and the same memories built
+    xpath          Semantic XPath execution on a LoCoMo-size user tree (30 x 20), CPU: ms per template query
+    xpath_recall   Semantic XPath template queries vs flat turns on LoCoMo held-out, no LLM: R@5/R@10 per category
+    compass_build  CompassMem's fallback event graph: its thresholds calibrated on training users, build time
+                   vs the topic bank's, structure (events per session, turns per event, edges per event)
 
 docs/results.md's tables
     results            every table of docs/results.md measured at one commit (`run`) and rendered (`table`)

@@ -47,6 +47,7 @@ from rmm.bench.lexical_spread import FeatureVariant
 from rmm.training.online import Asked, OnlineConfig, OnlineTrainer
 from rmm.training.splits import split_questions
 
+from rmm.cli.logs import ByOrigin
 from rmm.data import load_dataset
 from rmm.encoders.passage_cache import attach_cache
 from rmm.eval.benchmark_bank import open_retriever
@@ -266,6 +267,8 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for handler in logging.getLogger().handlers:  # bm25s sets DEBUG on its own logger: rmm's INFO, others' warnings
+        handler.addFilter(ByOrigin(logging.INFO, logging.WARNING))
     log.setLevel(logging.INFO)
 
     measured_at = commit()

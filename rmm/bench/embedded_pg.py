@@ -81,7 +81,8 @@ def reset_pg_bank(url: str) -> None:
             conn.execute("DROP INDEX IF EXISTS memories_embedding_hnsw")
             conn.execute("ALTER TABLE memories ALTER COLUMN embedding TYPE vector")
             graph = [r[0] for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s AND tablename "
-                                                "LIKE 'graph%%'", (location.schema,))]  # migration 0006 on
+                                                "LIKE 'graph%%' OR schemaname = %s AND tablename LIKE 'tree%%'",
+                                                (location.schema, location.schema))]  # migrations 0006, 0007 on
             conn.execute(sql.SQL("TRUNCATE {} RESTART IDENTITY").format(
                 sql.SQL(", ").join(sql.Identifier(t) for t in ["memories", "users", *graph])))
             conn.execute("DELETE FROM meta WHERE key NOT IN ('store_id', 'created_at')")

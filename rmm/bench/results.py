@@ -3,6 +3,7 @@ and the Markdown of every table with each row's own command beside it.
 
     python -m rmm.bench.results run [SECTION ...]     # measure the rows this commit has not measured yet
     python -m rmm.bench.results table SECTION          # print one table (Markdown), from its JSON
+    python -m rmm.bench.results render docs/results.md [--check]   # rewrite (or check) its tables
 
 A section is one table: a list of jobs, each one `python -m rmm.bench.ablations …` (or the fusion
 program) over one bank with one or more `--run`s; every row it writes records its own one-run command
@@ -18,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rmm.bench.ablation_table import headline_table, heldout_table, one_commit, prequential_table
+from rmm.bench.ablation_table import arrow, headline_table, heldout_table, one_commit, pct, prequential_table
 from rmm.bench.ablations import commit
 
 log = logging.getLogger("rmm.bench.results")
@@ -39,6 +42,8 @@ class Job:
     where: tuple[str, str, str, int | None] = ("locomo", "minilm", "turn", None)  # dataset, retriever, memories, limit
 
     def command(self, out: Path) -> list[str]:
+        if self.argv[:2] == ("-m", "rmm"):  # an `rmm` command writes its own report (`--json`)
+            return [sys.executable, *self.argv, "--json", str(out)]
         runs = [arg for spec in self.runs for arg in ("--run", spec)]
         return [sys.executable, *self.argv, *runs, "--out", str(out)]
 
@@ -48,7 +53,7 @@ class Section:
     """One table of docs/results.md: its JSON file under docs/results/ and the jobs that fill it."""
 
     name: str
-    kind: str  # "headline" | "prequential" | "fusion"
+    kind: str  # "headline" | "prequential" | "fusion" | "pipeline"
     jobs: tuple[Job, ...] = field(default_factory=tuple)
 
     @property
@@ -65,6 +70,7 @@ def _ablations(dataset: str, retriever: str, granularity: str, *runs: str, limit
 
 
 FIRST_STAGES = ("bm25:minilm", "minilm", "hybrid")
+PRETRAINED = "runs/pretrain/minilm-locomo-cpu/encoder"  # configs/pretrain/minilm-locomo-cpu.yaml's output
 GRANULARITIES = ("turn", "session", "topic")
 
 # Training-stream ablations of the reranker's recipe (τ, lr, credit, baseline, per-user) and of the
@@ -92,6 +98,12 @@ SECTIONS = {s.name: s for s in (
     Section("lexical_definition", "prequential", tuple(
         _ablations("locomo", "hybrid", g, *DEFINITION_RUNS) for g in GRANULARITIES)
         + (_ablations("msc", "hybrid", "turn", *DEFINITION_RUNS, limit=3000),)),
+    # The whole pipeline (issue 35 item 11): `rmm pretrain --config configs/pretrain/minilm-locomo-cpu.yaml`
+    # first (it writes PRETRAINED; it holds out rmm train's held-out conversations), then online training.
+    Section("pipeline", "pipeline", tuple(
+        Job(("-m", "rmm", "train", "--config", "configs/train/online-minilm-cpu.yaml", "plot=null", "--retriever",
+             retriever), where=("locomo", retriever, "turn", None))
+        for retriever in (PRETRAINED, f"hybrid:{PRETRAINED}"))),
     Section("heldout", "headline", tuple(
         _ablations(d, r, g, "final", heldout=True) for d in ("locomo", "msc") for g in GRANULARITIES
         for r in FIRST_STAGES)),
@@ -110,6 +122,8 @@ def done(section: Section, job: Job, at: str | None) -> bool:
             for r in rows(section) if r.get("commit") == at}
     if section.kind == "fusion":
         return bool(held)
+    if section.kind == "pipeline":
+        return (*job.where, "pipeline") in held
     return all((*job.where, spec.partition(":")[0]) in held for spec in job.runs)
 
 
@@ -129,11 +143,46 @@ def run(names: list[str]) -> int:
             if done(section, job, at):
                 log.info("%s: done already: %s", name, " ".join(job.argv))
                 continue
+            if section.kind == "pipeline":
+                if _run_report(section, job, at, root):
+                    return 1
+                continue
             log.info("%s: %s", name, " ".join(job.command(section.path)[1:]))
             if subprocess.run(job.command(section.path), cwd=root).returncode:
                 log.error("%s failed: %s", name, " ".join(job.argv))
                 return 1
     return 0
+
+
+def _run_report(section: Section, job: Job, at: str | None, root: Path) -> int:
+    """Run an `rmm` command that writes a JSON report; append it as one row with its command and commit."""
+    report = section.path.with_suffix(".report.json")
+    command = job.command(report)
+    log.info("%s: %s", section.name, " ".join(command[1:]))
+    if subprocess.run(command, cwd=root).returncode:
+        log.error("%s failed: %s", section.name, " ".join(job.argv))
+        return 1
+    dataset, retriever, granularity, limit = job.where
+    row = {"name": "pipeline", "dataset": dataset, "retriever": retriever, "granularity": granularity, "limit": limit,
+           "command": shlex.join(["rmm", *job.argv[2:]]), "commit": at, "report": json.loads(report.read_text())}
+    with section.path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    report.unlink()
+    return 0
+
+
+def pipeline_table(found: list[dict]) -> list[str]:
+    """Held-out figures of `rmm train` runs: the retriever alone and reranked, at M, with R@K and R@T."""
+    out = ["| first stage | questions | R@5 alone | R@5 + reranker | lift | R@20 | R@15t alone → + reranker | "
+           "nDCG@5 alone → + reranker | command |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in found:
+        alone, reranked = r["report"]["retriever_heldout"], r["report"]["reranker_heldout"]
+        m, k = r["report"]["config"]["eval_k"], r["report"]["config"]["k"]
+        pair = {f"base {key}": alone.get(key) for key in alone} | {f"reranked {key}": reranked.get(key) for key in reranked}
+        out.append(f"| {r['retriever']} | {alone['n']} | {pct(alone[f'recall@{m}'])} | {pct(reranked[f'recall@{m}'])} | "
+                   f"{pct(reranked[f'recall@{m}'] - alone[f'recall@{m}'], True)} | {pct(alone[f'recall@{k}'])} | "
+                   f"{arrow(pair, 'recall_turns@15')} | {arrow(pair, f'ndcg@{m}')} | `{r['command']}` |")
+    return out
 
 
 def fusion_table(found: list[dict]) -> list[str]:
@@ -149,8 +198,28 @@ def table(name: str) -> list[str]:
     if not found:
         raise SystemExit(f"error: {section.path} holds no rows; measure them: python -m rmm.bench.results run {name}")
     at = one_commit(found)
-    render = {"fusion": fusion_table, "prequential": prequential_table, "headline": headline_table}[section.kind]
+    render = {"fusion": fusion_table, "prequential": prequential_table, "headline": headline_table,
+              "pipeline": pipeline_table}[section.kind]
     return [f"Measured at commit {at}; JSON: `docs/results/{section.path.name}`.", "", *render(found)]
+
+
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.DOTALL)
+
+
+def render(text: str) -> str:
+    """`text` with every `<!-- table: NAME -->` … `<!-- /table -->` block rebuilt from its JSON (NAME
+    a section, or `heldout-per-category`), so no figure in the document is typed by hand."""
+
+    def rebuilt(match: re.Match) -> str:
+        name = match["name"]
+        if name == "heldout-per-category":
+            found = rows(SECTIONS["heldout"])
+            lines = [f"Measured at commit {one_commit(found)}.", "", *heldout_table(found)]
+        else:
+            lines = table(name)
+        return match[1] + "\n".join(lines) + "\n" + match[4]
+
+    return BLOCK.sub(rebuilt, text)
 
 
 def main() -> None:
@@ -161,6 +230,9 @@ def main() -> None:
     show = sub.add_parser("table", help="print one table as Markdown")
     show.add_argument("section", choices=list(SECTIONS))
     show.add_argument("--per-category", action="store_true", help="held-out: every category, not the headline")
+    doc = sub.add_parser("render", help="rebuild a document's table blocks from their JSON")
+    doc.add_argument("document", type=Path)
+    doc.add_argument("--check", action="store_true", help="exit 1 if a table differs from its JSON; write nothing")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.verb == "run":
@@ -168,6 +240,16 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
         raise SystemExit(run(args.sections or list(SECTIONS)))
+    if args.verb == "render":
+        before = args.document.read_text()
+        after = render(before)
+        if args.check:
+            if after != before:
+                raise SystemExit(f"{args.document}: a table differs from its JSON; python -m rmm.bench.results "
+                                 f"render {args.document}")
+            return
+        args.document.write_text(after)
+        return
     if args.per_category:
         found = rows(SECTIONS[args.section])
         lines = [f"Measured at commit {one_commit(found)}.", "", *heldout_table(found)]

@@ -61,8 +61,9 @@ def register(subparsers: Any) -> None:
     add_dedup_option(p)
     p.add_argument("--retriever", nargs="+", type=retriever_name, default=[DEFAULT_RETRIEVER],
                    help="minilm | bm25 | contriever | stella | gte | an encoder folder | hybrid[:DENSE] (BM25 + DENSE, default minilm, reciprocal-rank fused) | bm25:DENSE (BM25's ranking over DENSE's bank, rerankable) (several allowed)")
-    p.add_argument("--granularity", nargs="+", choices=("turn", "session", "topic"), default=["turn"],
-                   help="memory units; topic = built by prospective reflection (several: one comparison table)")
+    p.add_argument("--granularity", nargs="+", choices=("turn", "session", "topic", "event"), default=["turn"],
+                   help="memory units; topic = built by prospective reflection, event = CompassMem's event graph "
+                        "(its LLM-free fallback) (several: one comparison table)")
     p.add_argument("--k", type=positive_int, nargs="+", default=[5, 10], help="cut-offs K of Recall@K")
     p.add_argument("--depth", type=positive_int, default=20,
                    help="candidates a reranker reorders (rmm train --k): their recall@DEPTH, the ceiling of any "
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             topic_source = f"PR: {llm.name}" if llm else "PR: fallback topics"
             label = name if granularity != "topic" else f"{name} ({topic_source})"
+            label = label if granularity != "event" else f"{name} (fallback event graph)"
             orders: dict[str, Rank | None] = {label: None}
             if args.reranker:  # scored from the same search as the retriever's own order
                 orders[f"{label} + reranker"] = _reranker_order(args, opened)

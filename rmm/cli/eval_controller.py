@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise RmmError(f"{dataset.name} has no category {args.category}; its categories: {known}")
     llm = common.load_llm(args.llm, **common.llm_options(args))
     refuse_simulated(args, llm)
-    opened = open_retriever(args.retriever, dataset, "turn", cache=args.cache_dir, device=args.device,
+    granularity = "event" if args.frontend == "compass" else "turn"  # CompassMem walks the (fallback) event graph
+    opened = open_retriever(args.retriever, dataset, granularity, cache=args.cache_dir, device=args.device,
                             batch_size=args.batch_size,
                             candidate_features=LearnerConfig.candidate_features)  # what the frontends' rerankers weigh
     if opened.encoder is None:  # a name that skipped the parser (command line and config go through its type)

@@ -7,6 +7,7 @@ command reads it (`rmm.cli.common.load_benchmark`)."""
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from rmm.cli.arguments import positive_int, rerankable_retriever_name, unrerankable
@@ -33,6 +34,8 @@ from rmm.errors import RmmError
 
 __all__ = ["add_dedup_option", "load_questions", "qa_figures", "register", "run"]
 
+log = logging.getLogger(__name__)
+
 _KEYS = {"judge": "judge", "F1": "f1", "cited precision": "cited_precision", "shown recall": "shown_recall"}
 
 
@@ -46,7 +49,9 @@ def register(subparsers: Any) -> None:
                         "that dense retriever, reciprocal-rank fused) or bm25:DENSE (BM25's ranking over DENSE's "
                         "bank); hybrid and bm25:DENSE candidates carry the lexical feature. Not plain bm25: the "
                         "reranker needs embeddings")
-    p.add_argument("--granularity", default="turn", choices=("turn", "session", "topic"))
+    p.add_argument("--granularity", default="turn", choices=("turn", "session", "topic", "event"),
+                   help="memories the agent retrieves (event: CompassMem's fallback event graph, what --frontend "
+                        "compass walks; default: turn)")
     p.add_argument("--limit", type=positive_int, help="answer at most N questions (in dataset order)")
     add_k_m_options(p)
     p.add_argument("--no-learn", action="store_true",
@@ -67,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     dataset = load_questions(args)
     llm = load_llm(args.llm, **llm_options(args))
     refuse_simulated(args, llm)
+    if args.frontend == "compass" and args.granularity != "event":
+        log.warning("--frontend compass over %s memories: they have no event graph to walk (use --granularity event)",
+                    args.granularity)
     judge = load_llm(args.judge_llm) if args.judge_llm else llm
     opened = open_retriever(args.retriever, dataset, args.granularity, cache=args.cache_dir, device=args.device,
                             batch_size=args.batch_size, llm=llm if args.granularity == "topic" and

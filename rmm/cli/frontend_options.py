@@ -1,4 +1,4 @@
-"""The query-side front ends (GOAL-MEM, MemR³) as `chat`, `eval-qa` and `eval-controller` share
+"""The query-side front ends (GOAL-MEM, MemR³, CompassMem) as `chat`, `eval-qa` and `eval-controller` share
 them: the `--frontend` choice, each front end's options (checked at parse time), its config from
 them, the refusal of an LLM that cannot write text, and the JSON-lines trace file.
 
@@ -14,14 +14,39 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rmm.cli.arguments import add_check, non_negative_int, positive_int
+from rmm.cli.arguments import _number, add_check, non_negative_int, positive_int
 from rmm.errors import RmmError
 
 __all__ = ["FRONTEND_OPTIONS", "add_frontend_options", "append_trace", "frontend_config", "refuse_simulated",
            "text_llm_note"]
 
-_LABELS = {"goal": "GOAL-MEM", "memr3": "MemR³"}
-_CANNOT = {"goal": "decompose", "memr3": "write evidence, gaps or decisions"}
+_LABELS = {"goal": "GOAL-MEM", "memr3": "MemR³", "compass": "CompassMem", "xpath": "Semantic XPath"}
+_CANNOT = {"goal": "decompose", "memr3": "write evidence, gaps or decisions",
+           "compass": "plan sub-goals or choose graph actions (--policy heuristic or oracle need no LLM)",
+           "xpath": "write queries (--query-policy template needs no LLM)"}
+_COMPASS_POLICIES = ("llm", "heuristic", "oracle")
+_XPATH_POLICIES = ("llm", "template")
+_XPATH_SCORERS = ("cosine", "reranker")
+
+
+def compass_policy(text: str) -> str:
+    """An argparse type: one of the CompassMem search policies."""
+    if text not in _COMPASS_POLICIES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(_COMPASS_POLICIES)}, got {text!r}")
+    return text
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> Any:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    parse.__name__ = name
+    return parse
+
+
+finite_float = _number(float, "a finite number", lambda v: True, "finite_float")
 # option → (front end, config field, argparse type, help)
 FRONTEND_OPTIONS: dict[str, tuple[str, str, Any, str]] = {
     "--b-max": ("goal", "b_max", positive_int, "decompositions tried (paper: 3)"),
@@ -31,6 +56,25 @@ FRONTEND_OPTIONS: dict[str, tuple[str, str, Any, str]] = {
     "--n-chk": ("memr3", "n_chk", positive_int, "memories shown per retrieval (paper: 5)"),
     "--n-cap": ("memr3", "n_cap", positive_int,
                 "reflects in a row before a retrieval is forced (default 1, as the authors' code)"),
+    "--policy": ("compass", "policy", compass_policy,
+                 "llm (the paper's planner and explorers), heuristic (no LLM: expand while the reranker's score "
+                 "clears --threshold) or oracle (keeps the nodes holding gold turns: the graph's ceiling; eval only)"),
+    "--pool": ("compass", "pool", positive_int, "first-stage events per localization (paper: 50)"),
+    "--start-k": ("compass", "start_k", positive_int, "localization slate: the reranker's top-k of the pool (paper: 5)"),
+    "--topics": ("compass", "topics", positive_int, "the first p distinct topics the pool is diversified over (paper: 5)"),
+    "--slate": ("compass", "slate", positive_int, "neighbours shown per node, a Gumbel top-M when more (default 5)"),
+    "--explorers": ("compass", "explorers", positive_int, "explorers per batched generate call (paper: 3)"),
+    "--max-steps": ("compass", "max_steps", positive_int, "node visits per question (default 24)"),
+    "--node-budget": ("compass", "node_budget", positive_int, "kept nodes per question (default 15)"),
+    "--refinements": ("compass", "refinements", non_negative_int, "refinement rounds (paper: 1)"),
+    "--threshold": ("compass", "threshold", finite_float,
+                    "heuristic policy: the reranker score a node must clear to be kept and expanded (default 0.3)"),
+    "--query-policy": ("xpath", "query_policy", _choice("query_policy", _XPATH_POLICIES),
+                       "llm (the LLM writes a query from the question and the tree's schema; one retry, then the "
+                       "template) or template (no LLM: //Session[max(/Turn[node~Q])]/Turn[node~Q]); default llm"),
+    "--scorer": ("xpath", "scorer", _choice("xpath_scorer", _XPATH_SCORERS),
+                 "cosine (the encoder's, default) or reranker (the learned reranker's, calibrated)"),
+    "--leaves": ("xpath", "leaves", positive_int, "the query's best memories handed to the reranker (default 10)"),
 }
 
 
@@ -46,15 +90,18 @@ def add_frontend_options(p: argparse.ArgumentParser, *, direct: bool = True) -> 
     if direct:
         p.add_argument("--frontend", default="direct", choices=("direct", *_LABELS),
                        help="direct = the message as one query; goal = GOAL-MEM goal decomposition, one query per "
-                            "subgoal; memr3 = MemR³ retrieve / reflect / answer loop over evidence and gaps "
-                            "(goal and memr3 need an LLM that writes text)")
+                            "subgoal; memr3 = MemR³ retrieve / reflect / answer loop over evidence and gaps; "
+                            "compass = CompassMem planner + explorers over the event graph; "
+                            "xpath = a Semantic XPath query over the memory tree "
+                            "(goal, memr3, compass's llm policy and xpath's need an LLM that writes text)")
     else:
         p.add_argument("--frontend", default="goal", choices=tuple(_LABELS),
-                       help="goal = GOAL-MEM goal decomposition; memr3 = MemR³ retrieve / reflect / answer loop "
-                            "(default: goal)")
+                       help="goal = GOAL-MEM goal decomposition; memr3 = MemR³ retrieve / reflect / answer loop; "
+                            "compass = CompassMem graph search over events; xpath = Semantic XPath query over the "
+                            "memory tree (default: goal)")
     for option, (frontend, _, kind, text) in FRONTEND_OPTIONS.items():
         p.add_argument(option, type=kind, help=f"{frontend} front end: {text}")
-    p.add_argument("--trace-json", help="goal / memr3 front end: append each question's trace to this JSON-lines file")
+    p.add_argument("--trace-json", help="goal / memr3 / compass front end: append each question's trace to this JSON-lines file")
     p.add_argument("--llm-threads", type=positive_int,
                    help="CPU threads for an hf: model (1 is fastest on a busy machine)")
     add_check(p, _options_match_frontend)
@@ -66,8 +113,8 @@ def _options_match_frontend(args: argparse.Namespace) -> str | None:
             return f"{option} is a {_LABELS[frontend]} option: it needs --frontend {frontend} (got {args.frontend})"
     for option in ("trace_json", "show_trace"):
         if getattr(args, option, None) and args.frontend == "direct":
-            return (f"--{option.replace('_', '-')} shows the goal or memr3 front end's traces: "
-                    "add --frontend goal or memr3")
+            return (f"--{option.replace('_', '-')} shows the goal or memr3 front end's traces (or compass's): "
+                    "add --frontend goal, memr3 or compass")
     return None
 
 
@@ -87,7 +134,12 @@ def frontend_config(args: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def refuse_simulated(args: argparse.Namespace, llm: Any) -> None:
-    """The simulated LLM only cites: it cannot drive the goal or MemR³ front end."""
+    """The simulated LLM only cites: it cannot drive the goal or MemR³ front end, nor CompassMem's llm
+    policy (the heuristic and oracle policies search without one)."""
+    if args.frontend == "compass" and getattr(args, "policy", None) in ("heuristic", "oracle"):
+        return
+    if args.frontend == "xpath" and getattr(args, "query_policy", None) == "template":
+        return
     if args.frontend != "direct" and llm.name.startswith("simulated"):
         raise RmmError(text_llm_note(args.frontend))
 

@@ -57,9 +57,10 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     add_dedup_option(p)
     p.add_argument("--retriever", type=rerankable_retriever_name, default=DEFAULT_RETRIEVER,
                    help="encoder preset or folder, hybrid[:DENSE] (BM25 + dense, fused) or bm25:DENSE (BM25's ranking over the dense bank; plain bm25 has no embeddings to rerank)")
-    p.add_argument("--granularity", choices=("turn", "session", "topic"), default="turn",
-                   help="memories the reranker learns over: turns (default), whole sessions, or topic memories "
-                        "built by prospective reflection's non-LLM fallback; recall counts gold turns they hold")
+    p.add_argument("--granularity", choices=("turn", "session", "topic", "event"), default="turn",
+                   help="memories the reranker learns over: turns (default), whole sessions, topic memories "
+                        "built by prospective reflection's non-LLM fallback, or the events of CompassMem's fallback "
+                        "event graph; recall counts gold turns they hold")
     p.add_argument("--citer", type=trainable_citer, default="simulated",
                    help="who cites: simulated (default; labelled in every output) or a real generator, "
                         "openai:URL@MODEL (e.g. a vllm serve server), vllm:PATH or hf:PATH")

@@ -2,9 +2,10 @@
 
 Every line is one JSON object whose `type` says what it is: `dataset` (an optional header: name,
 category names), `user`, `session` (its user, its time), `turn` (its session, speaker, text, time),
-`question` (its user, text, answer, optional gold turn and session ids, category), and the two
-kinds an export of a live bank adds (`memory`, `feedback`; `rmm.embedded.Memory.export_user`),
-which `read_jsonl` checks and keeps beside the `Dataset` (a `Dataset` has no field for them).
+`question` (its user, text, answer, optional gold turn and session ids, category), and the kinds
+an export of a live bank adds (`memory`, `feedback`, the event graph's `edge` and `topic`, and
+Semantic XPath's tree `node`, one line per version; `rmm.embedded.Memory.export_user`), which
+`read_jsonl` checks and keeps beside the `Dataset` (a `Dataset` has no field for them).
 
 Why one record per line rather than one user per line: a user's history runs to thousands of
 turns (a LongMemEval haystack is ~500 sessions), so a user-per-line file has megabyte lines that
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +64,15 @@ RECORD_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "memory": {"id": (_STR, True), "user": (_STR, True), "kind": (_STR, True), "text": (_STR, True),
                "refs": (_STR_LIST, False), "source_text": (_STR, False), "created_at": ((int, float), False),
                "updated_at": ((int, float), False), "merged_from": (_STR_LIST, False),
-               "time_span": ((list, type(None)), False)},
+               "time_span": ((list, type(None)), False), "participants": (_STR_LIST, False)},
+    # the event graph (rmm.memory.graph): a directed labelled edge between two event memories, a topic
+    "edge": {"user": (_STR, True), "source": (_STR, True), "target": (_STR, True), "label": (_STR, True),
+             "evidence": (_STR_LIST, False)},
+    "topic": {"id": (_STR, True), "user": (_STR, True), "summary": (_STR, False), "members": (_STR_LIST, False)},
+    # Semantic XPath's tree (rmm.memory.tree): one version of one node; the highest version is the node
+    "node": {"id": (_STR, True), "user": (_STR, True), "node_type": (_STR, True), "parent": (_OPT_STR, False),
+             "position": ((int,), False), "attributes": ((dict,), False), "memory": (_OPT_STR, False),
+             "version": ((int,), False), "revision": ((int,), False), "text": (_OPT_STR, False)},
     "feedback": {"selection": (_STR, True), "user": (_STR, True), "query": (_STR, True), "shown": (_STR_LIST, True),
                  "cited": ((list, type(None)), False), "no_cite": ((bool,), False),
                  "rewards": ((list, type(None)), False), "learned": ((bool,), False), "reason": (_OPT_STR, False),
@@ -97,12 +107,15 @@ class JsonlDataError(DataError):
 
 @dataclass
 class JsonlContent:
-    """What a file holds: the `Dataset`, plus an export's memory and feedback records (plain dicts,
-    `type` removed) in file order."""
+    """What a file holds: the `Dataset`, plus an export's memory, feedback, edge, topic and tree node
+    records (plain dicts, `type` removed) in file order (`nodes`: every version of every node)."""
 
     dataset: Dataset
     memories: list[dict[str, Any]] = field(default_factory=list)
     feedback: list[dict[str, Any]] = field(default_factory=list)
+    edges: list[dict[str, Any]] = field(default_factory=list)
+    topics: list[dict[str, Any]] = field(default_factory=list)
+    nodes: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -276,6 +289,10 @@ def read_jsonl(path: str | os.PathLike[str], name: str | None = None) -> JsonlCo
         if line.record["kind"] not in MEMORY_KINDS:
             problems.append(Problem(line.path, line.number, "kind", f"must be one of {list(MEMORY_KINDS)}, "
                                                                    f"got {line.record['kind']!r}"))
+        elif line.record.get("participants") and line.record["kind"] != "event":
+            problems.append(Problem(line.path, line.number, "participants", "only event memories have participants"))
+    edges, topics = _graph(by_type, memories, users, problems)
+    nodes = _tree(by_type["node"], memories, users, problems)
     feedback = _owned(_unique(by_type["feedback"], "selection", "feedback selection", problems).values(), users,
                       problems)
     if problems:
@@ -284,7 +301,102 @@ def read_jsonl(path: str | os.PathLike[str], name: str | None = None) -> JsonlCo
     label = name or (next(iter(names)) if names else (root.stem if root.is_file() else root.name))
     strip = lambda line: {k: v for k, v in line.record.items() if k != "type"}  # noqa: E731
     return JsonlContent(Dataset(name=label, sessions=users, questions=questions, categories=categories),
-                        memories=[strip(line) for line in memories], feedback=[strip(line) for line in feedback])
+                        memories=[strip(line) for line in memories], feedback=[strip(line) for line in feedback],
+                        edges=[strip(line) for line in edges], topics=[strip(line) for line in topics],
+                        nodes=[strip(line) for line in nodes])
+
+
+_NAME = re.compile(r"[^\W\d]\w*")  # the query language's NAME: node types and attribute names
+
+
+def _tree(lines: list[_Line], memories: list[_Line], users: dict[str, list[Session]],
+          problems: list[Problem]) -> list[_Line]:
+    """The tree's `node` records: each (user, id, version) once, of a declared user; types and
+    attribute names are identifiers (queries name them; an attribute is never ``node``), attribute
+    values text, versions and positions ≥ 0 (position < 2³¹). A node is its highest version: its
+    `parent` must be a node of that user in the data (no cycle), its `memory` a memory of that
+    user in the data — what the stores refuse otherwise. Older versions are history, not checked
+    against the rest."""
+    owned = {(line.record["user"], line.record["id"]) for line in memories}
+    seen: dict[tuple[str, str, int], _Line] = {}
+    for line in _owned(lines, users, problems):
+        r = line.record
+        version = r.get("version", 1)
+        key = (r["user"], r["id"], version)
+        if key in seen:
+            first = seen[key]
+            problems.append(Problem(line.path, line.number, "version",
+                                    f"duplicate version {version} of node {r['id']!r} (first at {first.path}:"
+                                    f"{first.number})"))
+            continue
+        before = len(problems)
+        if _NAME.fullmatch(r["node_type"]) is None:
+            problems.append(Problem(line.path, line.number, "node_type", f"{r['node_type']!r} is not an identifier"))
+        for name, value in r.get("attributes", {}).items():
+            if _NAME.fullmatch(name) is None or name == "node" or not isinstance(value, str):
+                problems.append(Problem(line.path, line.number, "attributes",
+                                        f"{name!r}: names are identifiers other than 'node', values are strings"))
+        for name in ("version", "revision", "position"):
+            if name in r and not 0 <= r[name] < 2**31:
+                problems.append(Problem(line.path, line.number, name, "must be between 0 and 2^31 - 1"))
+        if len(problems) == before:
+            seen[key] = line
+    latest: dict[tuple[str, str], _Line] = {}
+    for (user, node_id, version), line in seen.items():
+        if (user, node_id) not in latest or latest[(user, node_id)].record.get("version", 1) < version:
+            latest[(user, node_id)] = line
+    for (user, node_id), line in latest.items():
+        parent, memory = line.record.get("parent"), line.record.get("memory")
+        if parent is not None and (user, parent) not in latest:
+            problems.append(Problem(line.path, line.number, "parent", f"not a node of user {user!r} in the data: "
+                                                                      f"{parent!r}"))
+        if memory is not None and (user, memory) not in owned:
+            problems.append(Problem(line.path, line.number, "memory", f"not a memory of user {user!r} in the data: "
+                                                                      f"{memory!r}"))
+        walk, steps = parent, 0
+        while walk is not None and (user, walk) in latest and steps <= len(latest):
+            if walk == node_id:
+                problems.append(Problem(line.path, line.number, "parent", f"node {node_id!r} is its own ancestor"))
+                break
+            walk, steps = latest[(user, walk)].record.get("parent"), steps + 1
+    return list(seen.values())
+
+
+def _graph(by_type: dict[str, list[_Line]], memories: list[_Line], users: dict[str, list[Session]],
+           problems: list[Problem]) -> tuple[list[_Line], list[_Line]]:
+    """The event graph's records: each `edge` once per (user, source, target, label) and each `topic`
+    once per (user, id), of a declared user; edge ends and topic members must be `event` memories of
+    that user in the data (what the stores refuse otherwise)."""
+    events = {(line.record["user"], line.record["id"]) for line in memories if line.record["kind"] == "event"}
+
+    def once(lines: list[_Line], key: Any, what: str) -> list[_Line]:
+        seen: dict[Any, _Line] = {}
+        for line in _owned(lines, users, problems):
+            value = key(line.record)
+            if value in seen:
+                first = seen[value]
+                problems.append(Problem(line.path, line.number, "", f"duplicate {what} (first at {first.path}:"
+                                                                    f"{first.number})"))
+            else:
+                seen[value] = line
+        return list(seen.values())
+
+    def require_events(line: _Line, name: str, ids: list[str]) -> None:
+        missing = [i for i in ids if (line.record["user"], i) not in events]
+        if missing:
+            problems.append(Problem(line.path, line.number, name, f"not event memories of user "
+                                                                  f"{line.record['user']!r} in the data: {missing[:5]}"))
+
+    edges = once(by_type["edge"], lambda r: (r["user"], r["source"], r["target"], r["label"]), "edge")
+    for line in edges:
+        if line.record["source"] == line.record["target"]:
+            problems.append(Problem(line.path, line.number, "target", "an event is not its own neighbour"))
+        require_events(line, "source", [line.record["source"]])
+        require_events(line, "target", [line.record["target"]])
+    topics = once(by_type["topic"], lambda r: (r["user"], r["id"]), "topic id for its user")
+    for line in topics:
+        require_events(line, "members", list(line.record.get("members", [])))
+    return edges, topics
 
 
 def _owned(lines: Iterable[_Line], users: dict[str, list[Session]], problems: list[Problem]) -> list[_Line]:

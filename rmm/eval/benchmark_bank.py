@@ -34,11 +34,13 @@ from rmm.types import Dataset, Memory, Retriever
 if TYPE_CHECKING:
     from rmm.llm.base import LLM
     from rmm.reflection import ProspectiveReflector
+    from rmm.reflection.events import EventGraphBuilder
 
 log = logging.getLogger(__name__)
 
-GRANULARITIES = ("turn", "session", "topic")
-STATIC_GRANULARITIES = ("turn", "session")  # topic memories come from prospective reflection
+GRANULARITIES = ("turn", "session", "topic", "event")
+STATIC_GRANULARITIES = ("turn", "session")  # topic memories come from prospective reflection, events from
+# CompassMem's construction (rmm.reflection.events: here its LLM-free fallback graph)
 LEXICAL_RETRIEVERS = ("bm25",)
 HYBRID = "hybrid"
 DEFAULT_HYBRID_DENSE = "minilm"
@@ -90,6 +92,8 @@ def documents(dataset: Dataset, user: str, granularity: str) -> list[Memory]:
         ]
     if granularity == "topic":
         raise ValueError("topic memories are built by prospective reflection: use fill_topics / open_retriever")
+    if granularity == "event":
+        raise ValueError("event memories are built by the event-graph builder: use fill_events / open_retriever")
     raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
 
 
@@ -136,6 +140,20 @@ def fill_topics(bank: MemoryBank, dataset: Dataset, reflector: ProspectiveReflec
     log.info("prospective reflection stats: %s", reflector.stats)
 
 
+def fill_events(bank: MemoryBank, dataset: Dataset, builder: EventGraphBuilder, progress: bool = True) -> None:
+    """Each user's event graph (`rmm.reflection.events`), sessions in order; a user is marked done only
+    when every session was built, so an interrupted build is redone for that user."""
+    for user in tqdm(dataset.users, desc="building event graph", unit="user", disable=not progress):
+        if bank.store.get_meta(f"events-done:{user}") == "1" and bank.store.has_user(user):
+            continue
+        if bank.store.has_user(user):
+            bank.delete_user(user)
+            bank.store.set_meta(f"event-graph:{user}", "{}")  # the builder's record of built sessions
+        builder.build(user, dataset.sessions[user])
+        bank.store.set_meta(f"events-done:{user}", "1")
+    log.info("event graph build: %s", builder.report.to_json())
+
+
 @dataclass
 class DatasetRetriever:
     """A retriever over a dataset plus what built it (for reports and reuse)."""
@@ -160,7 +178,9 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
     `rmm train` take them like a dense bank; plain `bm25` keeps a text-only store (no encoder).
 
     Topic granularity builds the bank by prospective reflection (with `llm`, else the labelled
-    non-LLM fallback); the cache key includes the reflector's settings. With `store` (a
+    non-LLM fallback); the cache key includes the reflector's settings. Event granularity builds
+    CompassMem's event graph with its LLM-free fallback (`rmm.reflection.events`), keyed by the
+    builder's settings (thresholds included). With `store` (a
     ``postgresql://`` URL) the bank is kept in that database, one schema per cache key, instead of
     the cache folder. `candidate_features` makes a hybrid or `bm25:DENSE` first stage compute the
     reranker's per-candidate features (`rmm.memory.features`); other retrievers have none to compute.
@@ -185,6 +205,12 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
         return _open_topic_bank(name, dataset, root, digest, device=device, index_backend=index_backend,
                                 batch_size=batch_size, progress=progress, llm=llm, options=reflector_options or {},
                                 store=store, cache=cache)
+    if granularity == "event":
+        if name in LEXICAL_RETRIEVERS:
+            raise RmmError("event memories are built with embeddings: for BM25 over them use bm25:DENSE "
+                           "(e.g. bm25:minilm), not bm25")
+        return _open_event_bank(name, dataset, root, digest, device=device, index_backend=index_backend,
+                                batch_size=batch_size, progress=progress, store=store, cache=cache)
     if name in LEXICAL_RETRIEVERS:
         path = root / f"{dataset.name}-{granularity}-{digest}-bm25.sqlite"
         if store is None:
@@ -247,6 +273,25 @@ def _open_topic_bank(name: str, dataset: Dataset, root: Path, digest: str, *, de
     with passage_cache(encoder, cache):
         fill_topics(bank, dataset, reflector, progress)
     log.info("topic bank for %s with %s (%s) at %s", dataset.name, encoder.name, probe.settings_key, bank.location)
+    return DatasetRetriever(name, bank, encoder, bank.path)
+
+
+def _open_event_bank(name: str, dataset: Dataset, root: Path, digest: str, *, device: str, index_backend: str,
+                     batch_size: int, progress: bool, store: str | None = None,
+                     cache: str | Path | None = None) -> DatasetRetriever:
+    """The fallback event graph (LLM-free, so it builds on any CPU), keyed by the builder's settings."""
+    from rmm.reflection.events import EventGraphBuilder
+
+    encoder = load_encoder(name, device=device, batch_size=batch_size)
+    enc_key = hashlib.sha256(encoder.fingerprint.encode()).hexdigest()[:12]
+    probe = EventGraphBuilder(_KeyOnly(encoder))  # type: ignore[arg-type]
+    settings = hashlib.sha256(probe.settings_key.encode()).hexdigest()[:10]
+    path = root / f"{dataset.name}-event-{digest}-{enc_key}-{settings}"
+    bank = MemoryBank(_in_database(path, store), encoder, index_backend=index_backend, device=device)
+    builder = EventGraphBuilder(bank)
+    with passage_cache(encoder, cache):
+        fill_events(bank, dataset, builder, progress)
+    log.info("event bank for %s with %s (%s) at %s", dataset.name, encoder.name, probe.settings_key, bank.location)
     return DatasetRetriever(name, bank, encoder, bank.path)
 
 

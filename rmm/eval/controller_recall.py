@@ -102,7 +102,8 @@ def evaluate_controller_recall(dataset: Dataset, bank: MemoryBank | HybridRetrie
     rows: list[dict[str, Any]] = []
     try:
         for q in tqdm(questions, desc=f"{name} front end", unit="q", disable=not progress):
-            response = controller.respond(q.user_id, q.text, remember=False)
+            gold_turns = {"gold": set(q.evidence_turns)} if name == "compass" else {}  # the oracle policy's
+            response = controller.respond(q.user_id, q.text, remember=False, **gold_turns)
             trace = response.trace
             union = trace.retrieved
             direct = _direct(agent, q, len(union))

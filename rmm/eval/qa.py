@@ -111,7 +111,8 @@ def evaluate_qa(dataset: Dataset, bank: MemoryBank | HybridRetriever, llm: LLM, 
         gold = set(q.evidence_turns)
         if simulated:
             llm.oracle = gold_evidence_oracle(gold)
-        response = respond(q.user_id, q.text, remember=False)
+        gold_turns = {"gold": gold} if frontend == "compass" else {}  # CompassMem's oracle policy reads them
+        response = respond(q.user_id, q.text, remember=False, **gold_turns)
         hits = [bool(gold & set(mem.refs)) for mem in response.cited]
         shown_units = set().union(*(scorer.units(mem.refs) for mem in response.shown)) if response.shown else set()
         rows.append({

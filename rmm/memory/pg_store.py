@@ -34,9 +34,10 @@ from rmm.errors import (
     RmmError,
     UnknownUserError,
 )
-from rmm.memory import graph
+from rmm.memory import graph, tree
 from rmm.memory.graph import Edge, Event, Topic
 from rmm.memory.pg_database import DEFAULT_POOL_MAX, PgDatabase
+from rmm.memory.tree import NodeEdit, TreeNode
 from rmm.memory.validation import (
     MAX_LISTED_USERS,
     DuplicateMemoryError,
@@ -239,6 +240,44 @@ class PostgresStore:
             self._bump(cur, user)  # first: its row lock serialises this user's graph writes
             graph.rewire(cur, "%s", user, list(old_ids), new_id)
 
+    def add_nodes(self, user: str, nodes: list[TreeNode], memories: list[Memory] | None = None,
+                  embeddings: torch.Tensor | np.ndarray | None = None) -> None:
+        """Insert tree nodes (`rmm.memory.tree`), and the memories they show, in one transaction:
+        a refused or failed write leaves neither."""
+        import psycopg
+
+        batch = tree.TreeWrite.check(user, nodes, memories or ())
+        memories = list(batch.memories)
+        vectors = None if embeddings is None else as_matrix(embeddings, len(memories))
+        rows = [_row(m, None if vectors is None else vectors[j]) for j, m in enumerate(memories)]
+        try:
+            with self._tx() as cur:
+                if memories:
+                    self._insert(cur, memories, rows, vectors)
+                else:
+                    self._generation(cur, user)
+                    self._bump(cur, user)
+                tree.write(cur, "%s", batch)
+        except psycopg.errors.UniqueViolation as exc:
+            raise DuplicateMemoryError(f"memory already exists: {exc.diag.message_detail}; use update() to change it") from exc
+
+    def edit_nodes(self, user: str, edits: list[NodeEdit]) -> None:
+        """Write each edited node's next version (`rmm.memory.tree.NodeEdit`), all or nothing."""
+        check_user_name(user)
+        edits = list(edits)
+        with self._tx() as cur:
+            self._generation(cur, user)
+            self._bump(cur, user)
+            tree.edit(cur, "%s", user, edits)
+
+    def remove_nodes(self, user: str, ids: list[str]) -> None:
+        """Tombstone nodes and their subtrees (their memories stay; the history stays readable)."""
+        check_user_name(user)
+        with self._tx() as cur:
+            self._generation(cur, user)
+            self._bump(cur, user)
+            tree.remove(cur, "%s", user, list(ids))
+
     def update(self, memory: Memory, embedding: torch.Tensor | np.ndarray | None = None) -> None:
         """Replace every field of an existing memory; the embedding too when one is given."""
         row = _row(memory, None)
@@ -254,6 +293,7 @@ class PostgresStore:
                 cur.execute("UPDATE memories SET embedding=%s WHERE user_id=%s AND id=%s",
                             (vector, memory.user_id, memory.id))
             self._bump(cur, memory.user_id)
+            tree.memory_updated(cur, "%s", memory.user_id, memory)  # the old text stays as a node version
 
     def delete(self, user: str, ids: list[str]) -> None:
         """Remove memories of one user; all ids must exist, else nothing is removed."""
@@ -266,12 +306,14 @@ class PostgresStore:
             graph.delete_memories(cur, "%s", user, ids)
             cur.execute("DELETE FROM memories WHERE user_id = %s AND id = ANY(%s)", (user, list(dict.fromkeys(ids))))
             self._bump(cur, user)
+            tree.delete_memories(cur, "%s", user, ids)  # after the bump: its lock serialises tree writes
 
     def delete_user(self, user: str) -> None:
         """Remove a user and all their memories (the generation counter is kept)."""
         with self._tx() as cur:
             self._generation(cur, user)
             graph.delete_user(cur, "%s", user)
+            tree.delete_user(cur, "%s", user)
             cur.execute("DELETE FROM memories WHERE user_id = %s", (user,))
             cur.execute("UPDATE users SET generation = generation + 1, active = false WHERE user_id = %s", (user,))
 
@@ -366,6 +408,18 @@ class PostgresStore:
         with self._tx() as cur:
             self._generation(cur, user)
             return graph.participants(cur, "%s", user, ids)
+
+    def tree(self, user: str, as_of: int | None = None) -> list[TreeNode]:
+        """`user`'s tree in tree order: the latest versions, or as it was after generation `as_of`."""
+        with self._tx() as cur:
+            self._generation(cur, user)
+            return tree.read(cur, "%s", user, as_of)
+
+    def node_history(self, user: str, node_id: str) -> list[TreeNode]:
+        """Every version of one node of `user`, oldest first."""
+        with self._tx() as cur:
+            self._generation(cur, user)
+            return tree.history(cur, "%s", user, node_id)
 
     def _dim(self, cur: psycopg.Cursor[Any]) -> int:
         row = cur.execute("SELECT value FROM meta WHERE key = 'embedding_dim'").fetchone()

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from rmm.memory.graph import Direction, Edge, Event, Topic
+    from rmm.memory.tree import NodeEdit, TreeNode
     from rmm.types import Memory
 
 __all__ = ["MemoryStorage", "VectorSearchStorage", "is_database_url", "open_store"]
@@ -100,6 +101,26 @@ class MemoryStorage(Protocol):
     def members(self, user: str, topic: str) -> list[str]: ...
 
     def participants(self, user: str, ids: list[str]) -> dict[str, tuple[str, ...]]: ...
+
+    # Semantic XPath's tree (rmm.memory.tree): written in the transaction of the memories it shows
+    def add_nodes(self, user: str, nodes: list[TreeNode], memories: list[Memory] | None = None,
+                  embeddings: torch.Tensor | np.ndarray | None = None) -> None:
+        """Insert tree nodes and the memories they show, all or nothing."""
+        ...
+
+    def edit_nodes(self, user: str, edits: list[NodeEdit]) -> None:
+        """Write each edited node's next version; the older ones stay as its history."""
+        ...
+
+    def remove_nodes(self, user: str, ids: list[str]) -> None:
+        """Tombstone nodes and their subtrees (still readable as of earlier generations)."""
+        ...
+
+    def tree(self, user: str, as_of: int | None = None) -> list[TreeNode]:
+        """The tree in tree order: latest versions, or as it was after generation `as_of`."""
+        ...
+
+    def node_history(self, user: str, node_id: str) -> list[TreeNode]: ...
 
     def close(self) -> None: ...
 

@@ -35,8 +35,9 @@ import numpy as np
 import torch
 
 from rmm.errors import CorruptFileError, RmmError, UnknownUserError
-from rmm.memory import graph
+from rmm.memory import graph, tree
 from rmm.memory.graph import Edge, Event, Topic
+from rmm.memory.tree import NodeEdit, TreeNode
 from rmm.memory.validation import (
     MAX_LISTED_USERS,
     DuplicateMemoryError,
@@ -56,7 +57,7 @@ __all__ = ["SCHEMA_VERSION", "DuplicateMemoryError", "MemoryStore"]
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: the event graph's tables (rmm.memory.graph), added in place to a version-1 file
+SCHEMA_VERSION = 3  # 2: the event graph's tables (rmm.memory.graph); 3: the XPath tree's (rmm.memory.tree); added in place
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _BUSY_TIMEOUT_S = 30.0
 
@@ -193,7 +194,7 @@ class MemoryStore:
                 with self._transaction() as cur:
                     # Another process may have created it between our check and BEGIN IMMEDIATE.
                     if cur.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone() is None:
-                        for statement in filter(None, (s.strip() for s in (_SCHEMA + graph.SQLITE_TABLES).split(";"))):
+                        for statement in filter(None, (s.strip() for s in (_SCHEMA + graph.SQLITE_TABLES + tree.SQLITE_TABLES).split(";"))):
                             cur.execute(statement)
                         cur.executemany(
                             "INSERT INTO meta(key, value) VALUES (?, ?)",
@@ -203,12 +204,16 @@ class MemoryStore:
 
     def _upgrade(self) -> None:
         """Bring an older file to `SCHEMA_VERSION` in place, in one transaction (version 1 → 2: the
-        graph's tables); another process upgrading at the same time finds the work done."""
+        graph's tables; 2 → 3: the tree's); another process upgrading at the same time finds the work done."""
         with self._transaction() as cur:
             version = int(cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
             if version < 2:
                 for statement in filter(None, (s.strip() for s in graph.SQLITE_TABLES.split(";"))):
                     cur.execute(statement)
+            if version < 3:
+                for statement in filter(None, (s.strip() for s in tree.SQLITE_TABLES.split(";"))):
+                    cur.execute(statement)
+            if version < SCHEMA_VERSION:
                 cur.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
                 log.info("memory store %s upgraded from schema version %d to %d", self.path, version, SCHEMA_VERSION)
 
@@ -358,6 +363,39 @@ class MemoryStore:
             self._bump(cur, user)  # first: its row lock serialises this user's graph writes
             graph.rewire(cur, "?", user, list(old_ids), new_id)
 
+    def add_nodes(self, user: str, nodes: list[TreeNode], memories: list[Memory] | None = None,
+                  embeddings: torch.Tensor | np.ndarray | None = None) -> None:
+        """Insert tree nodes (`rmm.memory.tree`), and the memories they show, in one transaction:
+        a refused or failed write leaves neither."""
+        batch = tree.TreeWrite.check(user, nodes, memories or ())
+        memories = list(batch.memories)
+        rows = [_memory_row(m) for m in memories]
+        vectors = None if embeddings is None else as_matrix(embeddings, len(memories))
+        with self._write() as cur:
+            if memories:
+                self._insert(cur, memories, rows, vectors)
+            else:
+                self._require_user(cur, user)
+                self._bump(cur, user)
+            tree.write(cur, "?", batch)
+
+    def edit_nodes(self, user: str, edits: list[NodeEdit]) -> None:
+        """Write each edited node's next version (`rmm.memory.tree.NodeEdit`), all or nothing."""
+        check_user_name(user)
+        edits = list(edits)
+        with self._write() as cur:
+            self._require_user(cur, user)
+            self._bump(cur, user)
+            tree.edit(cur, "?", user, edits)
+
+    def remove_nodes(self, user: str, ids: list[str]) -> None:
+        """Tombstone nodes and their subtrees (their memories stay; the history stays readable)."""
+        check_user_name(user)
+        with self._write() as cur:
+            self._require_user(cur, user)
+            self._bump(cur, user)
+            tree.remove(cur, "?", user, list(ids))
+
     def update(self, memory: Memory, embedding: torch.Tensor | np.ndarray | None = None) -> None:
         """Replace every field of an existing memory; the embedding too when one is given."""
         row = _memory_row(memory)
@@ -378,6 +416,7 @@ class MemoryStore:
                     (memory.user_id, memory.id, vector.shape[0], vector.tobytes()),
                 )
             self._bump(cur, memory.user_id)
+            tree.memory_updated(cur, "?", memory.user_id, memory)  # the old text stays as a node version
 
     def delete(self, user: str, ids: list[str]) -> None:
         """Remove memories of one user; all ids must exist, else nothing is removed."""
@@ -392,6 +431,7 @@ class MemoryStore:
                 cur.execute("DELETE FROM embeddings WHERE user_id=? AND id=?", (user, memory_id))
             graph.delete_memories(cur, "?", user, ids)
             self._bump(cur, user)
+            tree.delete_memories(cur, "?", user, ids)  # after the bump: its lock serialises tree writes
 
     def delete_user(self, user: str) -> None:
         """Remove a user and all their memories (the generation counter is kept, see module doc)."""
@@ -400,6 +440,7 @@ class MemoryStore:
             cur.execute("DELETE FROM memories WHERE user_id=?", (user,))
             cur.execute("DELETE FROM embeddings WHERE user_id=?", (user,))
             graph.delete_user(cur, "?", user)
+            tree.delete_user(cur, "?", user)
             cur.execute("UPDATE users SET generation = generation + 1, active = 0 WHERE user_id=?", (user,))
 
     def set_meta(self, key: str, value: str) -> None:
@@ -547,6 +588,18 @@ class MemoryStore:
         with self._read() as conn:
             self._require_user(conn, user)
             return graph.participants(conn.cursor(), "?", user, ids)
+
+    def tree(self, user: str, as_of: int | None = None) -> list[TreeNode]:
+        """`user`'s tree in tree order: the latest versions, or as it was after generation `as_of`."""
+        with self._read() as conn:
+            self._require_user(conn, user)
+            return tree.read(conn.cursor(), "?", user, as_of)
+
+    def node_history(self, user: str, node_id: str) -> list[TreeNode]:
+        """Every version of one node of `user`, oldest first."""
+        with self._read() as conn:
+            self._require_user(conn, user)
+            return tree.history(conn.cursor(), "?", user, node_id)
 
     # ----------------------------------------------------------------- lifecycle
 

@@ -27,8 +27,9 @@ candidate features (`rmm.memory.features`) the reranker weighs, in the order of 
 
 A checkpoint without the lexical weight or without feature weights, loaded by a run that asks for
 them, gains them at 0 (`rmm.policy.growth`: its ranking is unchanged, and the next save records
-them, so the next start loads it as saved). A checkpoint *with* them, loaded by a run that asks
-for none or for other feature names, is refused with a one-line error: dropping learned weights
+them, so the next start loads it as saved); likewise one whose feature names are the leading ones the
+run asks for gains the rest (`LearnerConfig.extra_features`). A checkpoint *with* them, loaded by a run
+that asks for none or for other feature names (fewer included), is refused with a one-line error: dropping learned weights
 would silently change the ranking.
 
 It is written to a temporary sibling and swapped in with two renames: a crash mid-write never
@@ -332,14 +333,15 @@ def saved_lexical_feature(folder: Path, meta: dict[str, Any], expected: bool | N
 def saved_feature_names(folder: Path, meta: dict[str, Any], expected: Sequence[str] | None) -> tuple[str, ...]:
     """The candidate features a checkpoint's reranker weighs, in order (formats 1–4 predate them: none).
     A one-line error when it weighs some and `expected` names others or none: a learned weight must never
-    be dropped or meet another feature. One that weighs none is no error (`rmm.policy.growth`)."""
+    be dropped or meet another feature. One that weighs none, or the leading ones of `expected` (a run
+    that asks for `extra_features` too), is no error: it gains the rest (`rmm.policy.growth`)."""
     stated = meta.get("feature_names")
     if stated is None:
         return ()
     if not isinstance(stated, list) or not all(isinstance(n, str) for n in stated):
         raise CheckpointError(f"{folder / META} has feature_names {stated!r}; expected a list of names")
     names = tuple(stated)
-    if names and expected is not None and names != tuple(expected):
+    if names and expected is not None and names != tuple(expected)[:len(names)]:
         raise CheckpointError(f"reranker checkpoint {folder} weighs candidate features {list(names)}, but "
                               f"this run asks for {list(expected) or 'none'}; match the setting "
                               "(--no-candidate-features / candidate_features) or use another checkpoint folder")

@@ -377,6 +377,8 @@ class Learner:
             learner.stats = LearnerStats(**meta["stats"])
             learner.reranker.version = learner.stats.step
             learner._buffer = [learner._restore_pending(s) for s in saved.training["pending"]]
+            for record in learner._buffer:  # a widened reranker (`extra_features`): zero columns for the rest
+                record.features = growth.widen_features(record.features, len(terms.feature_names))
             if had.lexical:
                 learner._loaded_definition = (str(meta["lexical_definition"]), learner.stats.step)
         except Exception as exc:  # shape, key and value errors all mean the same to a user

@@ -31,7 +31,11 @@ class LearnerConfig:
     stage's scaled BM25 score (`rmm.policy.reranker`; our extension of Eq. 1, a no-op for candidates
     without the feature); a learner given a reranker learns whatever that reranker has.
     `candidate_features`: rerankers a registry builds weigh `rmm.memory.features.CANDIDATE_FEATURES`
-    (hybrid and bm25:DENSE first stages compute them; zeros for candidates without)."""
+    (hybrid and bm25:DENSE first stages compute them; zeros for candidates without).
+    `extra_features`: more candidate features, weighed after those (a front end's own, e.g. the Semantic
+    XPath controller's ``xpath_weight``): their weights start at 0 like the others', candidate lists that
+    carry only the leading features count as zeros in them (`rmm.policy.stacking.features_of`), and a
+    checkpoint saved without them gains them at 0 (`rmm.policy.growth`)."""
 
     lr: float = 1e-3
     batch_size: int = 4
@@ -47,8 +51,14 @@ class LearnerConfig:
     lexical_feature: bool = True
     lexical_init: float | None = None  # the lexical weight's start (None: reranker.LEXICAL_INIT)
     candidate_features: bool = True
+    extra_features: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.extra_features, list):  # as a checkpoint's meta (JSON) or a YAML section gives it
+            self.extra_features = tuple(self.extra_features)
+        if (not isinstance(self.extra_features, tuple) or not all(isinstance(n, str) and n for n in self.extra_features)
+                or len(set(self.extra_features)) != len(self.extra_features)):
+            raise ValueError(f"extra_features must be distinct non-empty names, got {self.extra_features!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:

@@ -20,6 +20,7 @@ replicas writes versions as it steps), and `install` swaps in a newer version a 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import re
@@ -74,8 +75,23 @@ class LearnerRegistry:
 
     @property
     def feature_names(self) -> tuple[str, ...]:
-        """The candidate features the rerankers it builds weigh (`config.candidate_features`), in order."""
-        return CANDIDATE_FEATURES if self.config.candidate_features else ()
+        """The candidate features the rerankers it builds weigh, in order: `CANDIDATE_FEATURES` with
+        `config.candidate_features`, then `config.extra_features` (those not already among them)."""
+        base = CANDIDATE_FEATURES if self.config.candidate_features else ()
+        return base + tuple(n for n in self.config.extra_features if n not in base)
+
+    def request_features(self, names: tuple[str, ...]) -> list[str]:
+        """Have the rerankers built or loaded from now on also weigh `names` (appended to
+        `config.extra_features`, weights from 0; a checkpoint saved without them gains them at 0). A front
+        end that hands the reranker a feature of its own calls this before its first `get`. Returns the keys
+        already loaded whose rerankers lack one of them (given with `put`, or loaded earlier): those keep
+        their terms, and the caller says that the feature is not learned there."""
+        with self._lock:
+            new = tuple(n for n in names if n not in self.feature_names)
+            if new:
+                self.config = dataclasses.replace(self.config, extra_features=self.config.extra_features + new)
+            return [k for k, learner in sorted(self._learners.items())
+                    if not set(names) <= set(learner.reranker.feature_names)]
 
     @property
     def lock(self) -> threading.RLock:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from rmm.errors import DimensionMismatchError
 from rmm.policy.sampling import plackett_luce_logp
-from rmm.policy.stacking import check_feature_names, stack_features, stack_lexical
+from rmm.policy.stacking import align_features, stack_features, stack_lexical
 from rmm.types import Selection
 
 __all__ = ["RewardedBatch", "RewardedSelection", "behaviour_logp", "rewarded", "stack_rewarded"]
@@ -88,7 +88,7 @@ def rewarded(selection: Selection, rewards: Tensor, dim: int, tau: float,
 
     `tau` is the temperature to learn it at (the one it was sampled at); `feature_names` the
     candidate features the learner's reranker weighs (its candidates' features are kept when it
-    weighs any; other names are a FeatureMismatchError). Malformed input — no
+    weighs any, zero-filled when they are its leading ones; other names are a FeatureMismatchError). Malformed input — no
     embeddings, another dimension, rewards or μ of the wrong length, repeated or masked-out
     picks — is a ValueError (DimensionMismatchError for the dimension) and nothing is kept.
     """
@@ -118,9 +118,9 @@ def rewarded(selection: Selection, rewards: Tensor, dim: int, tau: float,
     if lexical is not None and lexical.numel() != k:
         raise ValueError(f"the candidates' lexical feature has {lexical.numel()} entries for {k} candidates")
     features = None
-    if feature_names and c.features is not None:
-        check_feature_names(c.feature_names, feature_names, "the selection's candidates")
-        features = _cpu_float(c.features, k, len(feature_names))
+    if feature_names and c.features is not None:  # the leading features only: zeros in the rest (`align_features`)
+        features = _cpu_float(align_features(c.features, c.feature_names, feature_names, "the selection's candidates"),
+                              k, len(feature_names))
     return RewardedSelection(
         query=_cpu_float(c.query_embedding, dim),
         memories=_cpu_float(c.embeddings, k, dim),

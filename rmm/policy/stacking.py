@@ -3,8 +3,10 @@ memories and mask, `[B, K]` lexical features, `[B, K, F]` candidate features.
 
 Shared by sampling (`ResidualLinearReranker.select`, from `Candidates`) and the update (`rmm.policy.
 rewarded.stack_rewarded`, from the records a Selection left), so both pad and check alike: a row
-shorter than the longest is zero-padded and masked out, a list without a feature counts as zeros,
-and features under other names than the reranker weighs are refused (`FeatureMismatchError`).
+shorter than the longest is zero-padded and masked out, a list without a feature counts as zeros
+(so does a list carrying only the leading features of the reranker's, e.g. the hybrid first stage's
+before a front end's `LearnerConfig.extra_features`: zeros in the rest), and features under other
+names than the reranker weighs are refused (`FeatureMismatchError`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import Tensor
 from rmm.errors import DimensionMismatchError, FeatureMismatchError
 from rmm.types import Candidates
 
-__all__ = ["check_feature_names", "features_of", "lexical_of", "stack_candidates", "stack_features", "stack_lexical"]
+__all__ = ["align_features", "check_feature_names", "features_of", "lexical_of", "stack_candidates", "stack_features", "stack_lexical"]
 
 
 def stack_candidates(
@@ -97,18 +99,31 @@ def check_feature_names(given: Sequence[str], expected: Sequence[str], where: st
             "reranker trained on this first stage's features (or none: --no-candidate-features)")
 
 
+def align_features(features: Tensor, given: Sequence[str], expected: Sequence[str], where: str) -> Tensor:
+    """`features` ([K, len(given)]) in the columns of `expected`: as they are when the names match, with
+    zero columns after them when `given` are the leading names of `expected` (module docstring); other
+    names are a `FeatureMismatchError`."""
+    given, expected = tuple(given), tuple(expected)
+    if not (given and len(given) < len(expected) and expected[:len(given)] == given):
+        check_feature_names(given, expected, where)
+    if features.ndim != 2 or features.shape[1] != len(given):
+        raise ValueError(f"{where} features have shape {tuple(features.shape)}, expected [K, {len(given)}]")
+    if len(given) == len(expected):
+        return features
+    return torch.cat([features, features.new_zeros(features.shape[0], len(expected) - len(given))], -1)
+
+
 def features_of(candidates: Sequence[Candidates], names: tuple[str, ...]) -> list[Tensor | None]:
-    """Each list's features, checked against the reranker's `names` and to be [K, F]."""
+    """Each list's features as [K, F] in the reranker's `names` (`align_features`)."""
     out: list[Tensor | None] = []
     for i, c in enumerate(candidates):
         if c.features is None:
             out.append(None)
             continue
-        check_feature_names(c.feature_names, names, f"candidates[{i}]")
-        if c.features.shape != (len(c), len(names)):
+        if c.features.shape[0:1] != (len(c),):
             raise ValueError(f"candidates[{i}].features has shape {tuple(c.features.shape)}, expected "
                              f"[{len(c)}, {len(names)}]")
-        out.append(c.features)
+        out.append(align_features(c.features, c.feature_names, names, f"candidates[{i}]"))
     return out
 
 

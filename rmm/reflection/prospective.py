@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -96,6 +96,9 @@ class ProspectiveReflector:
         self.structured = structured
         self.segmenter = TopicSegmenter(bank.encoder, segmenter)
         self.stats = ReflectionStats()
+        # Called with (session, memories touched) after each reflected session: structures kept beside the
+        # bank (Semantic XPath's tree, rmm.reflection.xpath_tree.BankTree.attach) follow its adds and merges.
+        self.listeners: list[Callable[[Session, list[Memory]], None]] = []
 
     @property
     def settings_key(self) -> str:
@@ -119,7 +122,12 @@ class ProspectiveReflector:
         for memory in memories:
             touched[memory.id] = memory
         self.stats.seconds += time.perf_counter() - t0
+        self._notify(session, list(touched.values()))
         return list(touched.values())
+
+    def _notify(self, session: Session, touched: list[Memory]) -> None:
+        for listener in self.listeners:
+            listener(session, touched)
 
     def reflect_many(self, sessions: Sequence[Session], speakers: list[str] | None = None) -> list[list[Memory]]:
         """`[self.reflect(s, speakers) for s in sessions]`, in that order and with the same memories,
@@ -139,6 +147,7 @@ class ProspectiveReflector:
             self.stats.sessions += 1
             out.append(self._update_extractive(session.user_id, topics, session, vectors[offset:offset + len(topics)]))
             offset += len(topics)
+            self._notify(session, out[-1])
         self.stats.seconds += time.perf_counter() - t0
         return out
 

@@ -29,16 +29,26 @@ import httpx
 from pydantic import BaseModel, TypeAdapter
 
 from rmm.errors import RmmError
-from rmm.serve.records import FeedbackResult, RetrieveResult, ShownMemory
+from rmm.serve.records import (
+    FeedbackResult,
+    NeighboursResult,
+    RetrieveResult,
+    ShownMemory,
+    ShownNeighbour,
+    TreeSchema,
+    XPathResult,
+)
 from rmm.serve.schemas import (
     API_PREFIX,
     AddMemoriesIn,
     AddMemoriesOut,
+    AddNodesIn,
     AddSessionIn,
     AddTurnsIn,
     AddTurnsOut,
     DeleteMemoryOut,
     DeleteUserOut,
+    EditNodesIn,
     EndSessionIn,
     FeedbackIn,
     HealthOut,
@@ -46,12 +56,19 @@ from rmm.serve.schemas import (
     MemoriesOut,
     MemoryIn,
     MemoryOut,
+    NeighboursIn,
+    NodeEditIn,
+    NodeIn,
     QueryIn,
+    RemoveNodeOut,
     RetrieveIn,
     RetrieveOut,
     ShadowOut,
+    TreeOut,
+    TreeWriteOut,
     TurnIn,
     UsersOut,
+    XPathIn,
 )
 
 __all__ = [
@@ -62,6 +79,10 @@ __all__ = [
     "Health",
     "JobInfo",
     "MemoryInfo",
+    "Neighbour",
+    "Neighbours",
+    "Schema",
+    "XPath",
     "Query",
     "Retrieval",
     "RetrievedMemory",
@@ -78,14 +99,20 @@ MemoryInfo = MemoryOut
 JobInfo = JobOut  # .job_id, .status, .finished, .result
 DeleteUserResult = DeleteUserOut
 Health = HealthOut
+Neighbours = NeighboursResult  # .memories (each a Neighbour), .selection_id, .explore, .unvisited
+Neighbour = ShownNeighbour  # .index, .id, .text, .score, .edges (label, direction, evidence), .participants
+Schema = TreeSchema  # .types (count, attributes, children), .roots, .nodes, .text (for a prompt)
+XPath = XPathResult  # .nodes (with .weight), .steps, .memories (each a RetrievedMemory), .selection_id
 
 
 class RmmServerError(RmmError):
-    """A request the server refused or failed: `status` (HTTP code), `code` (short name), message."""
+    """A request the server refused or failed: `status` (HTTP code), `code` (short name), message, and
+    `errors` (the answer's details: a validation error's fields, a query's syntax error position)."""
 
-    def __init__(self, status: int, message: str, code: str = "") -> None:
+    def __init__(self, status: int, message: str, code: str = "", errors: list[dict[str, Any]] | None = None) -> None:
         super().__init__(f"HTTP {status}{f' {code}' if code else ''}: {message}")
         self.status, self.message, self.code = status, message, code
+        self.errors: list[dict[str, Any]] = list(errors or [])
 
 
 # ---- the routes the client calls ----------------------------------------------------------------
@@ -127,6 +154,13 @@ ROUTES: dict[str, Route] = {
     "job": Route("GET", f"{API_PREFIX}/jobs/{{job_id}}", None, JobOut),
     "retrieve": Route("POST", f"{API_PREFIX}/retrieve", RetrieveIn, RetrieveOut),
     "feedback": Route("POST", f"{API_PREFIX}/feedback", FeedbackIn, FeedbackResult),
+    "neighbours": Route("POST", f"{USER}/events/{{event_id}}/neighbours", NeighboursIn, NeighboursResult),
+    "schema": Route("GET", f"{USER}/schema", None, TreeSchema),
+    "xpath": Route("POST", f"{USER}/xpath", XPathIn, XPathResult),
+    "tree": Route("GET", f"{USER}/tree", None, TreeOut),
+    "add_nodes": Route("POST", f"{USER}/tree/nodes", AddNodesIn, TreeWriteOut),
+    "edit_nodes": Route("PATCH", f"{USER}/tree/nodes", EditNodesIn, TreeWriteOut),
+    "remove_node": Route("DELETE", f"{USER}/tree/nodes/{{node_id}}", None, RemoveNodeOut),
     "ope": Route("GET", f"{API_PREFIX}/ope", None, ShadowOut),
     "promote": Route("POST", f"{API_PREFIX}/reranker/promote", None, ShadowOut),
 }
@@ -194,6 +228,38 @@ def _feedback_json(selection_id: str, cited: list[int] | None, text: str | None,
     return body
 
 
+def _neighbours_json(query: str, m: int | None, visited: list[str] | None, explore: bool | None,
+                    direction: str | None, label: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"query": query}
+    for name, value in (("m", m), ("visited", None if visited is None else list(visited)), ("explore", explore),
+                        ("direction", direction), ("label", label)):
+        if value is not None:
+            body[name] = value
+    return body
+
+
+def _xpath_json(query: str, question: str | None, k: int | None, m: int | None, explore: bool | None,
+                scorer: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"query": query}
+    for name, value in (("question", question), ("k", k), ("m", m), ("explore", explore), ("scorer", scorer)):
+        if value is not None:
+            body[name] = value
+    return body
+
+
+def _nodes_json(nodes: list[NodeIn | dict[str, Any]]) -> dict[str, Any]:
+    return {"nodes": [_given(n) if isinstance(n, NodeIn) else dict(n) for n in nodes]}
+
+
+def _edits_json(edits: list[NodeEditIn | dict[str, Any]]) -> dict[str, Any]:
+    """Only the fields each edit sets: a field sent changes (`parent: None` moves the node under the root)."""
+    return {"edits": [_given(e) if isinstance(e, NodeEditIn) else dict(e) for e in edits]}
+
+
+def _as_of(as_of: int | None) -> dict[str, Any] | None:
+    return None if as_of is None else {"as_of": as_of}
+
+
 def _session_json(turns: list[tuple[str, str] | TurnIn | dict[str, Any]], session_id: str | None, time: str | None,
                   speakers: list[str] | None, store_turns: bool) -> dict[str, Any]:
     return {"turns": [_turn_json(t) for t in turns], "session_id": session_id, "time": time, "speakers": speakers,
@@ -203,12 +269,15 @@ def _session_json(turns: list[tuple[str, str] | TurnIn | dict[str, Any]], sessio
 def _check(response: httpx.Response) -> None:
     if response.is_success:
         return
+    errors: list[dict[str, Any]] = []
     try:
         body = response.json()
         message, code = str(body.get("detail", body)), str(body.get("code", ""))
-    except ValueError:
+        if isinstance(body.get("errors"), list):
+            errors = [e for e in body["errors"] if isinstance(e, dict)]
+    except (ValueError, AttributeError):
         message, code = response.text or response.reason_phrase, ""
-    raise RmmServerError(response.status_code, message, code)
+    raise RmmServerError(response.status_code, message, code, errors)
 
 
 def _headers(api_key: str) -> dict[str, str]:
@@ -232,10 +301,11 @@ class RmmClient:
                  transport: httpx.BaseTransport | None = None) -> None:
         self._http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout, transport=transport)
 
-    def _call(self, name: str, body: dict[str, Any] | None = None, **params: str) -> Any:
+    def _call(self, name: str, body: dict[str, Any] | None = None, *, query: dict[str, Any] | None = None,
+              **params: str) -> Any:
         route = ROUTES[name]
         try:
-            response = self._http.request(route.method, route.url(**params), json=body)
+            response = self._http.request(route.method, route.url(**params), json=body, params=query)
         except httpx.TransportError as exc:
             raise _unreachable(self._http.base_url, exc) from exc
         _check(response)
@@ -299,6 +369,40 @@ class RmmClient:
         """Exactly one of: `cited` indices, the LLM's raw reply `text`, or `no_cite=True`."""
         return self._call("feedback", _feedback_json(selection_id, cited, text, no_cite, structured))
 
+    def neighbours(self, user: str, event_id: str, query: str, *, m: int | None = None,
+                   visited: list[str] | None = None, explore: bool | None = None, direction: str | None = None,
+                   label: str | None = None) -> Neighbours:
+        """A slate of the event's unvisited neighbours for `query` (a Gumbel top-`m` when more are
+        left); send what your explorer kept to `feedback(result.selection_id, cited=[...])`."""
+        return self._call("neighbours", _neighbours_json(query, m, visited, explore, direction, label), user=user,
+                          event_id=event_id)
+
+    def schema(self, user: str) -> Schema:
+        """Σ of the user's tree: node types, attributes, parent → child pairs, counts (`.text` for a prompt)."""
+        return self._call("schema", user=user)
+
+    def xpath(self, user: str, query: str, *, question: str | None = None, k: int | None = None,
+              m: int | None = None, explore: bool | None = None, scorer: str | None = None) -> XPath:
+        """Execute a Semantic XPath query over the user's tree: the best nodes, each step's scores, and
+        a slate of the best leaves' memories; send its citations to `feedback(result.selection_id, ...)`."""
+        return self._call("xpath", _xpath_json(query, question, k, m, explore, scorer), user=user)
+
+    def tree(self, user: str, *, as_of: int | None = None) -> TreeOut:
+        """The user's tree (latest versions, or as of a generation)."""
+        return self._call("tree", query=_as_of(as_of), user=user)
+
+    def add_nodes(self, user: str, nodes: list[NodeIn | dict[str, Any]]) -> TreeWriteOut:
+        """Add tree nodes (`NodeIn` or dicts of its fields), all or nothing."""
+        return self._call("add_nodes", _nodes_json(nodes), user=user)
+
+    def edit_nodes(self, user: str, edits: list[NodeEditIn | dict[str, Any]]) -> TreeWriteOut:
+        """Write each node's next version with the fields given (`NodeEditIn` or dicts)."""
+        return self._call("edit_nodes", _edits_json(edits), user=user)
+
+    def remove_node(self, user: str, node_id: str) -> RemoveNodeOut:
+        """Remove a node and its subtree from the latest tree (history kept)."""
+        return self._call("remove_node", user=user, node_id=node_id)
+
     def ope(self) -> ShadowOut:
         """The shadow reranker's off-policy estimate against the live one (an admin tenant's key)."""
         return self._call("ope")
@@ -326,10 +430,11 @@ class AsyncRmmClient:
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=timeout,
                                        transport=transport, limits=limits)
 
-    async def _call(self, name: str, body: dict[str, Any] | None = None, **params: str) -> Any:
+    async def _call(self, name: str, body: dict[str, Any] | None = None, *, query: dict[str, Any] | None = None,
+                    **params: str) -> Any:
         route = ROUTES[name]
         try:
-            response = await self._http.request(route.method, route.url(**params), json=body)
+            response = await self._http.request(route.method, route.url(**params), json=body, params=query)
         except httpx.TransportError as exc:
             raise _unreachable(self._http.base_url, exc) from exc
         _check(response)
@@ -387,6 +492,31 @@ class AsyncRmmClient:
     async def feedback(self, selection_id: str, *, cited: list[int] | None = None, text: str | None = None,
                        no_cite: bool = False, structured: bool = False) -> Feedback:
         return await self._call("feedback", _feedback_json(selection_id, cited, text, no_cite, structured))
+
+    async def neighbours(self, user: str, event_id: str, query: str, *, m: int | None = None,
+                         visited: list[str] | None = None, explore: bool | None = None,
+                         direction: str | None = None, label: str | None = None) -> Neighbours:
+        return await self._call("neighbours", _neighbours_json(query, m, visited, explore, direction, label),
+                                user=user, event_id=event_id)
+
+    async def schema(self, user: str) -> Schema:
+        return await self._call("schema", user=user)
+
+    async def xpath(self, user: str, query: str, *, question: str | None = None, k: int | None = None,
+                    m: int | None = None, explore: bool | None = None, scorer: str | None = None) -> XPath:
+        return await self._call("xpath", _xpath_json(query, question, k, m, explore, scorer), user=user)
+
+    async def tree(self, user: str, *, as_of: int | None = None) -> TreeOut:
+        return await self._call("tree", query=_as_of(as_of), user=user)
+
+    async def add_nodes(self, user: str, nodes: list[NodeIn | dict[str, Any]]) -> TreeWriteOut:
+        return await self._call("add_nodes", _nodes_json(nodes), user=user)
+
+    async def edit_nodes(self, user: str, edits: list[NodeEditIn | dict[str, Any]]) -> TreeWriteOut:
+        return await self._call("edit_nodes", _edits_json(edits), user=user)
+
+    async def remove_node(self, user: str, node_id: str) -> RemoveNodeOut:
+        return await self._call("remove_node", user=user, node_id=node_id)
 
     async def ope(self) -> ShadowOut:
         return await self._call("ope")

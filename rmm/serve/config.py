@@ -198,6 +198,13 @@ class ServeConfig:
     database: dict[str, Any] = field(default_factory=dict)
     llm: str | None = None
     reflection_speakers_exclude: list[str] = field(default_factory=lambda: ["assistant"])
+    # each ended session also gets an `events` job adding it to the user's CompassMem event graph
+    # (rmm.serve.event_jobs: the LLM builder with `llm`, else the labelled non-LLM fallback)
+    reflection_events: bool = False
+    # each reflection (and events) job keeps the user's Semantic XPath bank tree current
+    # (rmm.reflection.xpath_tree.BankTree: User -> Session -> Topic/Event/Turn -> Turn); off: the
+    # tree is the client's own (built through /v1/users/{user}/tree/nodes)
+    reflection_tree: bool = False
     seed: int = 0
     log_level: str = "info"
 

@@ -31,6 +31,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rmm.errors import EncoderUnavailableError, RmmError, UnknownMemoryError, UnknownUserError
 from rmm.memory.pg_connect import DatabasePoolExhaustedError, DatabaseUnavailableError
 from rmm.memory.store import DuplicateMemoryError
+from rmm.memory.tree import UnknownNodeError
+from rmm.memory.xpath_syntax import QuerySyntaxError
 from rmm.serve.batcher import BatcherClosedError
 from rmm.serve.errors import (
     BadRequestError,
@@ -49,7 +51,7 @@ from rmm.serve.records import QueryError, RetrieveItem, RetrieveResult
 from rmm.serve.schemas import valid_unicode
 
 __all__ = ["MAX_DETAIL_CHARS", "ErrorBoundary", "classify", "error_response", "install_error_handlers", "json_error",
-           "path_error", "shorten"]
+           "path_error", "shorten", "syntax_error"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
     (UnknownMemoryError, 404, "unknown_memory"),
     (UnknownSelectionError, 404, "unknown_selection"),
     (UnknownJobError, 404, "unknown_job"),
+    (UnknownNodeError, 404, "unknown_node"),
     (NoOpenSessionError, 404, "no_open_session"),
     (SelectionExpiredError, 410, "selection_expired"),
     # the stored row, not the request: this selection cannot be rewarded (retrieve again); logged for the operator
@@ -69,6 +72,7 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
     (SelectionUsedError, 409, "selection_used"),
     (DuplicateMemoryError, 409, "duplicate_memory"),
     (BadRequestError, 422, "bad_request"),
+    (QuerySyntaxError, 422, "query_syntax"),  # `errors` carries where (`syntax_error`)
     (BatcherClosedError, 503, "shutting_down"),
     (EncoderUnavailableError, 503, "encoder_unavailable"),
     # the database, not the request: a client may retry (before RmmError's 422 below catches them)
@@ -116,7 +120,17 @@ def classify(exc: BaseException) -> tuple[int, str, str]:
 def error_response(exc: BaseException) -> JSONResponse:
     """The answer to a typed error; an unexpected one is logged and answered 500 without details."""
     status, code, detail = classify(exc)
+    if isinstance(exc, QuerySyntaxError):
+        return json_error(status, code, detail, errors=[syntax_error(exc)])
     return json_error(status, code, detail)
+
+
+def syntax_error(exc: QuerySyntaxError) -> dict[str, Any]:
+    """Where a Semantic XPath query broke, as one entry of the contract's `errors`: the field
+    (`loc`), the message, `offset` (0-based) and `column` (1-based) into the query, what was
+    `expected` there and what was `found` (both capped like any detail)."""
+    return {"loc": ["query"], "msg": shorten(str(exc)), "type": "query_syntax", "offset": exc.offset,
+            "column": exc.column, "expected": shorten(exc.expected), "found": shorten(exc.found)}
 
 
 def per_query_results(items: list[RetrieveItem], answers: list[RetrieveResult | BaseException]

@@ -3,7 +3,11 @@
 What goes in, through the service's own write paths (no second implementation of storing or
 reflecting): every turn as a `turn` memory (`RetrievalService.add_memories`; id = the turn's id,
 text `speaker: text`, the shape reflection's `store_turns` writes), every `memory` record of the
-file (an export's: id, times and provenance kept, as `import_user` restores them), and with
+file (an export's: id, times and provenance kept, as `import_user` restores them; events with their
+participants, then the file's `edge` and `topic` records, through `export.write_graph`: edges
+pool their evidence and memberships are sets, so a rerun writes them again harmlessly), the latest
+version of each tree `node` the user's tree does not hold yet (`export.write_tree`, one
+transaction per user, after the memories it points at), and with
 `reflect` each session handed to the service's prospective reflection (`add_session`, a
 background job per session, which builds topic memories). Questions and feedback records are not
 stored: questions are evaluation data, and feedback cannot be replayed without the candidates'
@@ -32,7 +36,8 @@ from typing import TYPE_CHECKING
 
 from rmm.data.jsonl import JsonlContent
 from rmm.errors import DataError, UnknownUserError
-from rmm.serve.export import memory_from_record
+from rmm.memory.tree import TreeNode
+from rmm.serve.export import latest_nodes, memory_from_record, write_graph, write_tree
 from rmm.serve.records import NewMemory
 from rmm.serve.tenants import callers_terms, scoped
 from rmm.types import Memory, Session
@@ -62,6 +67,10 @@ class UserPlan:
     memories: list[Memory] = field(default_factory=list)
     sessions: list[Session] = field(default_factory=list)
     present: int = 0  # memories of the file the bank already holds (an earlier run's)
+    participants: dict[str, list[str]] = field(default_factory=dict)  # of the file's events
+    edges: list[dict] = field(default_factory=list)  # the event graph's records (written every run)
+    topics: list[dict] = field(default_factory=list)
+    nodes: list[TreeNode] = field(default_factory=list)  # the tree's nodes (latest versions; present ones skipped)
 
 
 @dataclass
@@ -88,6 +97,9 @@ class ImportReport:
     sessions_reflected: int = 0
     topic_memories: int = 0
     failed_sessions: list[str] = field(default_factory=list)
+    edges: int = 0  # the event graph's edge and topic records written
+    topics: int = 0
+    tree_nodes: int = 0  # tree nodes added (a rerun adds none)
 
 
 def plan_import(service: RetrievalService, tenant: str, content: JsonlContent, *, turns: bool = True,
@@ -98,6 +110,15 @@ def plan_import(service: RetrievalService, tenant: str, content: JsonlContent, *
     file_memories: dict[str, list[dict]] = {}
     for record in content.memories:
         file_memories.setdefault(record["user"], []).append(record)
+    file_graph: dict[str, tuple[list[dict], list[dict]]] = {}
+    for record in content.edges:
+        file_graph.setdefault(record["user"], ([], []))[0].append(record)
+    for record in content.topics:
+        file_graph.setdefault(record["user"], ([], []))[1].append(record)
+    file_nodes: dict[str, list[dict]] = {}
+    for record in content.nodes:
+        file_nodes.setdefault(record["user"], []).append(record)
+    tree_of = {user: latest_nodes(records) for user, records in file_nodes.items()}  # DataError before any write
     plans, empty, conflicts = [], [], []
     for user in dataset.users:
         try:
@@ -105,7 +126,10 @@ def plan_import(service: RetrievalService, tenant: str, content: JsonlContent, *
         except UnknownUserError:
             stored = {}
         plan = UserPlan(user)
+        plan.edges, plan.topics = file_graph.get(user, ([], []))
+        plan.nodes = tree_of.get(user, [])
         own = file_memories.get(user, [])
+        plan.participants = {m["id"]: list(m.get("participants", [])) for m in own if m["kind"] == "event"}
         owned_ids = {m["id"] for m in own}  # an export's stored turn wins over its turn record
         wanted: list[tuple[str, str]] = []
         for record in own:
@@ -127,7 +151,7 @@ def plan_import(service: RetrievalService, tenant: str, content: JsonlContent, *
                 plan.present += 1
         if reflect:
             plan.sessions = [s for s in dataset.sessions.get(user, []) if s.turns]
-        if plan.turns or plan.memories or plan.sessions or plan.present:
+        if plan.turns or plan.memories or plan.sessions or plan.present or plan.edges or plan.topics or plan.nodes:
             plans.append(plan)
         else:
             empty.append(user)
@@ -156,14 +180,24 @@ def run_import(service: RetrievalService, tenant: str, plan: ImportPlan, *, batc
         for start in range(0, len(user.memories), batch_size):
             records = user.memories[start:start + batch_size]
             with callers_terms(tenant, user.user):
-                service.bank.add(user_id, records)
+                service.bank.add(user_id, [m for m in records if m.kind != "event"])
+                write_graph(service, user_id, [(m, user.participants.get(m.id, [])) for m in records
+                                               if m.kind == "event"], [], [])
             report.memories += len(records)
             advance(len(records))
+        if user.edges or user.topics:  # every event is stored by now: the graph rows between them
+            with callers_terms(tenant, user.user):
+                written = write_graph(service, user_id, [], user.edges, user.topics)
+            report.edges += written["edges"]
+            report.topics += written["topics"]
+        if user.nodes:  # every memory is stored by now: the nodes pointing at them
+            with callers_terms(tenant, user.user):
+                report.tree_nodes += write_tree(service, user_id, user.nodes)
     jobs: dict[str, tuple[str, Job]] = {}
     for user in plan.users:
         for session in user.sessions:
             job = service.add_session(tenant, user.user, list(session.turns), session_id=session.id,
-                                      time_=session.time)
+                                      time_=session.time, events=False if user.participants else None)
             jobs[job.id] = (session.id, job)
     while jobs:
         for job_id, (session_id, job) in list(jobs.items()):

@@ -75,6 +75,8 @@ class Job:
     finished_at: float | None = None
     result: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    # not stored: the `events` job queued with this reflection job (the answer of ending a session)
+    events_job_id: str | None = None
 
 
 Handler = Callable[[Job, dict[str, Any]], dict[str, Any]]
@@ -86,7 +88,8 @@ class Jobs(Protocol):
 
     def start(self) -> None: ...
 
-    def submit(self, tenant: str, user_id: str, kind: str, payload: dict[str, Any]) -> Job: ...
+    def submit(self, tenant: str, user_id: str, kind: str, payload: dict[str, Any],
+               job_id: str | None = None) -> Job: ...
 
     def get(self, tenant: str, job_id: str) -> Job: ...
 
@@ -144,10 +147,13 @@ class JobQueue:
         self._thread = threading.Thread(target=self._work, name="rmm-jobs", daemon=True)
         self._thread.start()
 
-    def submit(self, tenant: str, user_id: str, kind: str, payload: dict[str, Any]) -> Job:
+    def submit(self, tenant: str, user_id: str, kind: str, payload: dict[str, Any],
+               job_id: str | None = None) -> Job:
         """Commit the job and wake the worker; a reflection job for a session that already has one
-        conflicts on `jobs_one_per_session` and the job already there is returned instead."""
-        job = Job(id=uuid.uuid4().hex, tenant=tenant, user_id=user_id, kind=kind, status="queued",
+        conflicts on `jobs_one_per_session` and the job already there is returned instead. `job_id`
+        (default: a new random id) lets a kind make its ids deterministic, so that a job submitted
+        again conflicts on the primary key and is answered the same way (`rmm.serve.event_jobs`)."""
+        job = Job(id=job_id or uuid.uuid4().hex, tenant=tenant, user_id=user_id, kind=kind, status="queued",
                   created_at=time.time())
         with self._lock:
             inserted = self._conn.execute(

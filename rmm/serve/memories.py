@@ -13,11 +13,14 @@ from __future__ import annotations
 import torch
 
 from rmm.memory.bank import MemoryBank
+from rmm.memory.graph import Event
 from rmm.memory.sessions import SessionLog
 from rmm.memory.store import DuplicateMemoryError
+from rmm.memory.validation import check_event
 from rmm.policy.registry import LearnerRegistry
 from rmm.serve.jobs import JobQueue
 from rmm.encoders.query.locked import LockedEncoder
+from rmm.serve.errors import BadRequestError
 from rmm.serve.pending import SelectionStore
 from rmm.serve.records import NewMemory, WriteItem
 from rmm.serve.tenants import (
@@ -61,22 +64,38 @@ class UserMemories:
 
     def add_batch(self, items: list[WriteItem]) -> list[list[str] | Exception]:
         """Every request's memories in one encode; then each request commits on its own, so one
-        request's failure (e.g. a duplicate id) never loses or blocks another's write."""
+        request's failure (e.g. a duplicate id) never loses or blocks another's write. A request
+        refused by `_check_events` is answered before the encode and writes nothing."""
         records = [[
             Memory(id=m.id or Memory.new_id(), user_id=scoped(item.tenant, item.user), kind=m.kind,  # type: ignore[arg-type]
                    text=m.text, refs=list(m.refs), source_text=m.source_text,
                    time_span=None if m.time is None else (m.time, m.time))
             for m in item.memories] for item in items]
-        texts = [m.text for batch in records for m in batch]
+        refused: list[Exception | None] = []
+        for item, batch in zip(items, records):
+            try:
+                _check_events(item, batch)
+                refused.append(None)
+            except BadRequestError as error:
+                refused.append(error)
+        texts = [m.text for batch, error in zip(records, refused) if error is None for m in batch]
         vectors = self.encoder.encode_passages(texts) if texts else torch.empty(0, self.encoder.dim)
         results: list[list[str] | Exception] = []
         start = 0
-        for item, batch in zip(items, records):
+        for item, batch, error in zip(items, records, refused):
+            if error is not None:
+                results.append(error)
+                continue
             rows = vectors[start:start + len(batch)]
             start += len(batch)
             try:
                 _refuse_repeated_ids(batch)
-                results.append(self.bank.add(batch[0].user_id, batch, embeddings=rows) if batch else [])
+                if batch and batch[0].kind == "event":  # `_check_events`: then all are events
+                    events = [Event(m, tuple(n.participants)) for m, n in zip(batch, item.memories)]
+                    self.bank.store.add_events(batch[0].user_id, events, embeddings=rows)  # type: ignore[arg-type]
+                    results.append([m.id for m in batch])
+                else:
+                    results.append(self.bank.add(batch[0].user_id, batch, embeddings=rows) if batch else [])
             except Exception as error:  # noqa: BLE001 - handed back to this request only
                 results.append(callers_error(error, item.tenant, item.user))
         return results
@@ -114,6 +133,29 @@ class UserMemories:
         if self.per_user_rerankers:
             self.learners.drop(user_id, delete_checkpoint=True)
         return counts
+
+
+def _check_events(item: WriteItem, batch: list[Memory]) -> None:
+    """Events posted as memories get the checks `MemoryStorage.add_events` makes (turn refs, an
+    explicit time, at most three participants; `rmm.memory.validation.check_event`) and are written
+    through it with their participants, so they are graph nodes like the builder's. A request with
+    events holds only events (one graph transaction); participants belong to events only."""
+    kinds = {m.kind for m in batch}
+    for i, (memory, given) in enumerate(zip(batch, item.memories)):
+        if memory.kind != "event" and given.participants:
+            raise BadRequestError(f"memories[{i}].participants: only events have participants (kind is "
+                                  f"{memory.kind!r})")
+        if memory.kind == "event":
+            if len(kinds) > 1:
+                raise BadRequestError(f"memories[{i}]: a request with events holds only events (they are written "
+                                      f"with their participants in one graph transaction); got kinds {sorted(kinds)}")
+            if given.time is not None and not given.time.strip():
+                raise BadRequestError(f"memories[{i}]: event needs an explicit time (`time`), got blank text")
+            try:
+                check_event(memory.user_id, memory, given.participants)
+            except ValueError as exc:
+                message = str(exc).replace(f"event {memory.id!r}", "event").replace("(time_span)", "(`time`)")
+                raise BadRequestError(f"memories[{i}]: {message}") from None
 
 
 def _refuse_repeated_ids(batch: list[Memory]) -> None:

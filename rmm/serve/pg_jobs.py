@@ -77,15 +77,17 @@ class PgJobQueue:
         """Start the worker: it takes queued jobs, and jobs whose claimer's lease ran out."""
         self._thread.start()
 
-    def submit(self, tenant: str, user_id: str, kind: str, payload: dict[str, Any]) -> Job:
+    def submit(self, tenant: str, user_id: str, kind: str, payload: dict[str, Any],
+               job_id: str | None = None) -> Job:
         """Commit the job (an acknowledged session is never lost) and wake this replica's worker.
 
         One session, one job: a reflection job for a session that already has one (concurrent
         `sessions/end` requests, a whole session posted again) conflicts on the unique index of
-        migration 0005, and the job already there is returned instead of a second one."""
+        migration 0005, and the job already there is returned instead of a second one; so does a job
+        whose deterministic `job_id` is taken (`rmm.serve.event_jobs`)."""
         from psycopg.types.json import Jsonb
 
-        job = Job(id=uuid.uuid4().hex, tenant=tenant, user_id=user_id, kind=kind, status="queued",
+        job = Job(id=job_id or uuid.uuid4().hex, tenant=tenant, user_id=user_id, kind=kind, status="queued",
                   created_at=time.time())
         with self.db.tx() as cur:
             inserted = cur.execute(

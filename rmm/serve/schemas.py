@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from rmm.serve.records import RetrieveResult
+from rmm.serve.records import RetrieveResult, TreeNodeInfo
 from rmm.serve.scoping import unscoped, unscoped_text
 from rmm.types import MEMORY_KINDS
 
@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "API_PREFIX", "AddMemoriesIn", "AddMemoriesOut", "AddSessionIn", "AddTurnsIn", "AddTurnsOut", "DeleteMemoryOut",
-    "DeleteUserOut", "EndSessionIn", "FeedbackIn", "HealthOut", "JobOut", "MemoriesOut", "MemoryIn", "MemoryOut",
+    "DeleteUserOut", "EndSessionIn", "FeedbackIn", "NeighboursIn", "HealthOut", "JobOut", "MemoriesOut", "MemoryIn", "MemoryOut",
     "QueryIn", "RetrieveIn", "RetrieveOut", "ShadowOut", "TurnIn", "UsersOut",
+    "AddNodesIn", "EditNodesIn", "NodeEditIn", "NodeIn", "RemoveNodeOut", "TreeOut", "TreeWriteOut", "XPathIn",
 ]
 
 API_PREFIX = "/v1"  # every route below it needs an API key; the client builds its paths on it
@@ -99,6 +100,9 @@ class MemoryIn(_Strict):
                              description="dialogue turn ids this memory came from")
     source_text: Text = ""
     time: ShortText | None = None
+    participants: list[Name] = Field(default_factory=list, max_length=MAX_LIST_ITEMS,
+                                     description="kind event only: who took part (at most 3); an event also "
+                                                 "needs `refs` and `time`")
 
 
 class AddMemoriesIn(_Strict):
@@ -197,6 +201,8 @@ class JobOut(BaseModel):
     finished_at: float | None
     result: dict[str, Any]
     error: str | None
+    events_job_id: str | None = Field(None, description="the session's `events` job (event graph), when the server "
+                                                        "builds graphs; set in the answer that queued it")
 
     @property
     def finished(self) -> bool:
@@ -207,7 +213,8 @@ class JobOut(BaseModel):
     def of(cls, job: Job) -> JobOut:
         return cls(job_id=job.id, user=unscoped(job.user_id), kind=job.kind, status=job.status,
                    created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
-                   result=job.result, error=None if job.error is None else unscoped_text(job.tenant, job.error))
+                   result=job.result, error=None if job.error is None else unscoped_text(job.tenant, job.error),
+                   events_job_id=job.events_job_id)
 
 
 # ---- retrieval and feedback ---------------------------------------------------------------------
@@ -235,6 +242,90 @@ class FeedbackIn(_Strict):
     text: Text | None = Field(None, description="the LLM's raw reply; citations are parsed from it")
     no_cite: bool = Field(False, description="the answer used none of the shown memories")
     structured: bool = Field(False, description="`text` is the JSON {answer, citations} form")
+
+
+class NeighboursIn(_Strict):
+    """A slate of an event's neighbours for a query: a client-side explorer's step."""
+
+    query: NonBlank
+    m: int | None = Field(None, ge=1, description="neighbours shown (default: the server's m)")
+    visited: list[Name] = Field(default_factory=list, max_length=MAX_LIST_ITEMS,
+                                description="event ids already visited: masked before the draw, never shown")
+    explore: bool | None = Field(None, description="Gumbel-sample the M when more are unvisited (default: the "
+                                                   "server's explore)")
+    direction: Literal["out", "in", "both"] = Field("both", description="edges leaving, entering or touching the node")
+    label: Name | None = Field(None, description="only edges of this label")
+
+
+# ---- Semantic XPath: the user's tree and queries over it ------------------------------------------
+MAX_POSITION = 2**31 - 1  # a node's position is a 32-bit integer in both stores
+MAX_ATTRIBUTES = 100  # attributes of one node
+
+
+class XPathIn(_Strict):
+    """A Semantic XPath query over the user's tree (grammar: `rmm.memory.xpath_syntax`)."""
+
+    query: NonBlank = Field(description='e.g. //Session[max(/Turn[node~"trip"])]/Turn[node~"trip"]')
+    question: NonBlank | None = Field(None, description="what the best leaves' memories are reranked for (default: "
+                                                        "the query's soft-match texts, outside any 1-P)")
+    k: int | None = Field(None, ge=1, description="best nodes returned, and best memories the reranker sees "
+                                                  "(default: the server's k)")
+    m: int | None = Field(None, ge=1, description="memories shown (default: the server's m, at most k)")
+    explore: bool | None = Field(None, description="Gumbel-sample the M (default: the server's explore)")
+    scorer: Literal["cosine", "reranker"] = Field("cosine", description="the soft matches' scorer: the encoder's "
+                                                                       "cosine or the user's learned reranker")
+
+
+class NodeIn(_Strict):
+    """A new node of the user's tree (`rmm.memory.tree.TreeNode`)."""
+
+    id: Name
+    type: Name = Field(description="an identifier (letters, digits, _; not starting with a digit): queries name it")
+    parent: Name | None = Field(None, description="a node of the tree or of this request (null: under the root)")
+    position: int | None = Field(None, ge=0, le=MAX_POSITION, description="among its siblings (null: after the last)")
+    attributes: dict[Name, Text] = Field(default_factory=dict, max_length=MAX_ATTRIBUTES,
+                                         description="identifier -> text (not 'node')")
+    memory_id: Name | None = Field(None, description="a stored memory of the user that the node shows")
+
+
+class AddNodesIn(_Strict):
+    nodes: list[NodeIn] = Field(min_length=1)
+
+
+class NodeEditIn(_Strict):
+    """A change to one node, written as its next version: only the fields sent change. `parent: null`
+    moves it under the root, `memory_id: null` detaches it; `attributes` replaces them all."""
+
+    id: Name
+    parent: Name | None = None
+    position: int = Field(0, ge=0, le=MAX_POSITION)
+    attributes: dict[Name, Text] = Field(default_factory=dict, max_length=MAX_ATTRIBUTES)
+    memory_id: Name | None = None
+
+
+class EditNodesIn(_Strict):
+    edits: list[NodeEditIn] = Field(min_length=1)
+
+
+class TreeWriteOut(BaseModel):
+    user: str
+    node_ids: list[str]
+    generation: int = Field(description="the user's generation after the write: `GET .../tree?as_of=` reads it back")
+
+
+class RemoveNodeOut(BaseModel):
+    user: str
+    node_id: str
+    generation: int
+
+
+class TreeOut(BaseModel):
+    """A user's tree in tree order (pre-order, siblings by position)."""
+
+    user: str
+    generation: int = Field(description="the user's generation now")
+    as_of: int | None
+    nodes: list[TreeNodeInfo]
 
 
 # ---- shadow scoring and promotion (admin) -------------------------------------------------------

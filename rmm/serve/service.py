@@ -7,7 +7,11 @@ tests and embedding code see one object:
 - users and memories: `rmm.serve.memories.UserMemories` (durable writes, batched encodes);
 - batched retrieval: `rmm.serve.retrieval.BatchRetriever` (what the micro-batcher calls);
 - feedback → learner: `rmm.serve.feedback.FeedbackLearner`;
-- sessions and reflection jobs: `rmm.serve.reflection_jobs.SessionReflection`;
+- the event graph's neighbour slates, learned from like retrieves: `rmm.serve.neighbours.NeighbourSlates`;
+- Semantic XPath: the user's tree, its schema Σ, tree writes and queries whose slates are learned
+  from like retrieves: `rmm.serve.xpath.TreeQueries`;
+- sessions and reflection jobs: `rmm.serve.reflection_jobs.SessionReflection` (with
+  `reflection_events`, each session's `events` job too: `rmm.serve.event_jobs`);
 - shadow scoring and guarded promotion of candidate weights: `rmm.serve.shadow.ShadowScorer`;
 - rerankers: one `rmm.policy.registry.LearnerRegistry`, a learner per tenant by default (one
   tenant's feedback never moves another's ranking), per user, or one shared by the whole bank
@@ -38,6 +42,7 @@ from rmm.errors import ConfigError
 from rmm.memory.bank import MemoryBank
 from rmm.memory.index import CPU_PRECISIONS
 from rmm.memory.sessions import SessionLog
+from rmm.memory.tree import NodeEdit, TreeNode
 from rmm.paths import cache_dir
 from rmm.policy.learner import Learner, is_normalized_encoder
 from rmm.policy.registry import SHARED, LearnerRegistry, checkpoint_exists
@@ -46,19 +51,25 @@ from rmm.serve.feedback import FeedbackLearner
 from rmm.serve.jobs import Handler, Job, Jobs
 from rmm.serve.maintenance import Maintenance
 from rmm.serve.memories import UserMemories
+from rmm.serve.neighbours import NeighbourRequest, NeighbourSlates
 from rmm.serve.pending import Selections, SelectionStore
 from rmm.serve.records import (
     FeedbackResult,
+    NeighboursResult,
     NewMemory,
     RetrieveItem,
     RetrieveResult,
     ShownMemory,
+    TreeNodeInfo,
+    TreeSchema,
     WriteItem,
+    XPathResult,
 )
 from rmm.serve.reflection_jobs import SessionReflection
 from rmm.serve.shadow import ShadowScorer
 from rmm.serve.retrieval import BatchRetriever, EncodedBatch
 from rmm.serve.tenants import ApiKeys, scoped, unscoped
+from rmm.serve.xpath import TreeQueries, XPathRequest
 from rmm.types import Memory, Turn
 
 if TYPE_CHECKING:
@@ -174,13 +185,18 @@ class RetrievalService:
             self.shared_learning = SharedLearning(self.db, self.learners, versions,
                                                   reload_interval_s=config.reload_interval_s)
         self.reflection = SessionReflection(self.bank, self.sessions, path / JOBS_FILE, llm,
-                                            speakers_exclude=config.reflection_speakers_exclude, jobs=jobs)
+                                            speakers_exclude=config.reflection_speakers_exclude, jobs=jobs,
+                                            events=config.reflection_events, tree=config.reflection_tree)
         self.jobs = self.reflection.jobs
         self.user_memories = UserMemories(self.bank, self.encoder, selections=self.selections, sessions=self.sessions,
                                           jobs=self.jobs, learners=self.learners,
                                           per_user_rerankers=config.reranker_per == "user")
         self.retriever = BatchRetriever(config, self.bank, self.encoder, self.learners,
                                         self.selections,  # type: ignore[arg-type]  # any Selections
+                                        tau=self.learner_config.tau)
+        self.neighbour_slates = NeighbourSlates(config, self.bank, self.encoder, self.learners, self.selections,
+                                                tau=self.learner_config.tau)
+        self.tree_queries = TreeQueries(config, self.bank, self.encoder, self.learners, self.selections,
                                         tau=self.learner_config.tau)
         self.feedback_learner = FeedbackLearner(self.selections, self.learners)
         self.shadow: ShadowScorer | None = None
@@ -283,6 +299,30 @@ class RetrievalService:
         """A batch's second stage (`BatchRetriever.finish_batch`)."""
         return self.retriever.finish_batch(items, encoded)
 
+    def neighbours(self, request: NeighbourRequest) -> NeighboursResult:
+        """A slate of an event's unvisited neighbours (`rmm.serve.neighbours`), learned from by feedback."""
+        return self.neighbour_slates.slate(request)
+
+    def schema(self, tenant: str, user: str) -> TreeSchema:
+        """Σ of the user's tree (`rmm.serve.xpath`)."""
+        return self.tree_queries.schema(tenant, user)
+
+    def xpath(self, request: XPathRequest) -> XPathResult:
+        """A Semantic XPath query over the user's tree and a slate of its best leaves, learned from by feedback."""
+        return self.tree_queries.query(request)
+
+    def tree(self, tenant: str, user: str, as_of: int | None = None) -> tuple[int, list[TreeNodeInfo]]:
+        return self.tree_queries.tree(tenant, user, as_of)
+
+    def add_nodes(self, tenant: str, user: str, nodes: list[TreeNode]) -> int:
+        return self.tree_queries.add_nodes(tenant, user, nodes)
+
+    def edit_nodes(self, tenant: str, user: str, edits: list[NodeEdit]) -> int:
+        return self.tree_queries.edit_nodes(tenant, user, edits)
+
+    def remove_node(self, tenant: str, user: str, node_id: str) -> int:
+        return self.tree_queries.remove_node(tenant, user, node_id)
+
     def feedback(self, tenant: str, selection_id: str, *, cited: list[int] | None = None, text: str | None = None,
                  no_cite: bool = False, structured: bool = False) -> FeedbackResult:
         return self.feedback_learner.feedback(tenant, selection_id, cited=cited, text=text, no_cite=no_cite,
@@ -302,9 +342,10 @@ class RetrievalService:
         return self.reflection.end_session(tenant, user, speakers=speakers, store_turns=store_turns)
 
     def add_session(self, tenant: str, user: str, turns: list[Turn], *, session_id: str | None = None,
-                    time_: str | None = None, speakers: list[str] | None = None, store_turns: bool = False) -> Job:
+                    time_: str | None = None, speakers: list[str] | None = None, store_turns: bool = False,
+                    events: bool | None = None) -> Job:
         return self.reflection.add_session(tenant, user, turns, session_id=session_id, time_=time_,
-                                           speakers=speakers, store_turns=store_turns)
+                                           speakers=speakers, store_turns=store_turns, events=events)
 
     def job(self, tenant: str, job_id: str) -> Job:
         return self.reflection.job(tenant, job_id)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from rmm.serve.routes import feedback, memories, ops, reranker, retrieve, sessions
+from rmm.serve.routes import events, feedback, memories, ops, reranker, retrieve, sessions, tree
 
 __all__ = ["PUBLIC", "VERSIONED"]
 
 PUBLIC: list[APIRouter] = [ops.router]
 VERSIONED: list[APIRouter] = [memories.router, sessions.router, retrieve.router, feedback.router,
-                               reranker.router]
+                               reranker.router, events.router, tree.router]
