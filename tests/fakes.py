@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import re
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,21 @@ def write_tiny_bert(folder: Path, tokenizer_from: Path, *, seed: int = 0, heads:
         if (tokenizer_from / name).is_file():
             shutil.copy(tokenizer_from / name, folder / name)
     return folder
+
+
+def run_in_threads(work: Callable[[int], None], n: int) -> list[BaseException]:
+    """Run `work(0)` … `work(n - 1)` on n threads at once; what they raised (writers racing a store)."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors

@@ -11,6 +11,8 @@ import pytest
 import torch
 from test_store import store  # noqa: F401 - the same two stores (SQLite, embedded PostgreSQL)
 
+from fakes import run_in_threads
+
 from rmm.errors import UnknownMemoryError, UnknownUserError
 from rmm.memory import graph
 from rmm.memory.graph import Edge, Event, Topic
@@ -169,27 +171,17 @@ def test_a_version_1_sqlite_file_is_upgraded_in_place(tmp_path: Path) -> None:
 def test_concurrent_writers_of_one_edge_pool_their_evidence(pg_url: str) -> None:
     """PostgreSQL: writers in several connections adding the same edge neither fail nor lose evidence
     (the generation bump serialises one user's writes before the edge's read-modify-write)."""
-    import threading
 
     from rmm.memory.pg_store import PostgresStore
 
     stores = [PostgresStore(pg_url) for _ in range(4)]
     try:
         stores[0].add_events("alice", [event("a"), event("b")], [Edge("a", "b", "next", ("t:0",))])
-        errors: list[BaseException] = []
-
         def add(i: int) -> None:
-            try:
-                for j in range(5):
-                    stores[i].add_events("alice", [], [Edge("a", "b", "next", (f"t:{i}.{j}",))])
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
+            for j in range(5):
+                stores[i].add_events("alice", [], [Edge("a", "b", "next", (f"t:{i}.{j}",))])
 
-        threads = [threading.Thread(target=add, args=(i,)) for i in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        errors = run_in_threads(add, 4)
         assert not errors, errors
         (edge,) = stores[0].neighbours("alice", "a")
         assert sorted(edge.evidence) == sorted(["t:0", *(f"t:{i}.{j}" for i in range(4) for j in range(5))])

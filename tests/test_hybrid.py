@@ -215,3 +215,15 @@ def test_a_memory_below_the_depth_tying_an_all_equal_depth_list_gets_1_not_0(ban
     spread = Candidates("q", ["a", "b", "c"], torch.tensor([3.0, 1.0, 0.5]))
     assert hybrid.scaled_bm25(spread) == {"a": 1.0, "b": 0.0, "c": 0.0}
     assert hybrid.scaled_bm25(Candidates("q", ["a", "b"], torch.tensor([3.0, 1.0]))) == {"a": 1.0, "b": 0.0}
+
+
+@pytest.mark.parametrize("features", [True, False])
+def test_an_ablation_feature_variant_keeps_its_first_stage_candidate_features(bank: MemoryBank, features: bool) -> None:
+    """`rmm.bench.ablations` sets candidate features on the first stage before wrapping it in a
+    lexical-feature variant; the variant must carry them, or its rows rerank zeros for them."""
+    from rmm.bench.lexical_spread import FeatureVariant
+
+    variant = FeatureVariant(HybridRetriever(bank, candidate_features=features), "fused")
+    assert variant.candidate_features is features
+    found = variant.search(["hiking"], "u", 2)[0]
+    assert (found.features is not None) is features

@@ -12,6 +12,8 @@ import pytest
 import torch
 from test_store import store  # noqa: F401 - the same two stores (SQLite, embedded PostgreSQL)
 
+from fakes import run_in_threads
+
 from rmm.errors import UnknownMemoryError, UnknownUserError
 from rmm.memory import graph, tree
 from rmm.memory.storage import MemoryStorage
@@ -261,29 +263,19 @@ def test_an_older_sqlite_file_is_upgraded_in_place(tmp_path: Path, old: int) -> 
 def test_concurrent_writers_append_siblings_without_clashing_positions(pg_url: str) -> None:
     """PostgreSQL: writers in several connections appending children to one node each get their own
     position and version (the generation bump serialises one user's tree writes before they read it)."""
-    import threading
 
     from rmm.memory.pg_store import PostgresStore
 
     stores = [PostgresStore(pg_url) for _ in range(4)]
     try:
         stores[0].add_nodes("alice", [TreeNode("s", "Session")], [turn("t0")])
-        errors: list[BaseException] = []
-
         def add(i: int) -> None:
-            try:
-                for j in range(5):
-                    stores[i].add_nodes("alice", [TreeNode(f"n{i}.{j}", "Turn", "s")],
-                                        [turn(f"t{i}.{j}")] if j % 2 else [])
-                    stores[i].edit_nodes("alice", [NodeEdit("s", attributes={"last": f"{i}.{j}"})])
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
+            for j in range(5):
+                stores[i].add_nodes("alice", [TreeNode(f"n{i}.{j}", "Turn", "s")],
+                                    [turn(f"t{i}.{j}")] if j % 2 else [])
+                stores[i].edit_nodes("alice", [NodeEdit("s", attributes={"last": f"{i}.{j}"})])
 
-        threads = [threading.Thread(target=add, args=(i,)) for i in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        errors = run_in_threads(add, 4)
         assert not errors, errors
         children = [n for n in stores[0].tree("alice") if n.parent == "s"]
         assert sorted(n.position for n in children) == list(range(20))  # type: ignore[type-var]

@@ -23,6 +23,8 @@ Benchmarks
     xpath_recall   Semantic XPath template queries vs flat turns on LoCoMo held-out, no LLM: R@5/R@10 per category
     compass_build  CompassMem's fallback event graph: its thresholds calibrated on training users, build time
                    vs the topic bank's, structure (events per session, turns per event, edges per event)
+    compass        CompassMem on LoCoMo held-out at equal turns: events vs topics, graph search vs direct vs
+                   oracle, the reranker's lift inside the search, the walk's CPU ms, build time, structure
 
 docs/results.md's tables
     results            every table of docs/results.md measured at one commit (`run`) and rendered (`table`)

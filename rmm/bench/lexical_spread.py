@@ -58,7 +58,7 @@ class FeatureVariant(HybridRetriever):
         if variant not in VARIANTS:
             raise ValueError(f"feature must be one of {VARIANTS}, got {variant!r}")
         super().__init__(base.bank, fusion=base.fusion, rrf_k=base.rrf_k, alpha=base.alpha, depth=base.depth,
-                         lexical=base.lexical)
+                         lexical=base.lexical, candidate_features=base.candidate_features)
         self.variant = variant
 
     def _fuse(self, dense: Candidates, lexical: Candidates, k: int, user: str,

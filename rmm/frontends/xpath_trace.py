@@ -67,10 +67,10 @@ def render_xpath_trace(trace: XPathTrace, *, show_memories: bool = True) -> Tree
     root = trace.header(f"scorer {trace.scorer}", f"fallback {trace.fallback or 'none'}")
     attempts = root.add("query attempts")
     for a in trace.attempts:
-        status = f"[red]{escape(shorten(a.error, 90))}[/red]" if a.error else "[green]ran[/green]"
-        attempts.add(f"[magenta]{escape(a.source)}[/magenta] {escape(shorten(a.text, 100))}  {status}")
+        status = f"[red]{shorten(a.error, 90)}[/red]" if a.error else "[green]ran[/green]"
+        attempts.add(f"[magenta]{escape(a.source)}[/magenta] {shorten(a.text, 100)}  {status}")
     if trace.query:
-        query = root.add(f"[bold]query[/bold] {escape(shorten(trace.query, 110))}")
+        query = root.add(f"[bold]query[/bold] {shorten(trace.query, 110)}")
         for s in trace.steps:
             best = ", ".join(f"{escape(node)} {weight:.3f}" for node, _, weight in s.top[:3])
             query.add(f"{escape(s.step)}  [dim]reached {s.reached}, kept {s.kept}[/dim]  {best}")

@@ -22,7 +22,7 @@ use, so a restarted server is reconnected to transparently; a lost server surfac
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Self
 
@@ -215,11 +215,15 @@ class PostgresStore:
                    topics: list[Topic] | None = None, embeddings: torch.Tensor | np.ndarray | None = None) -> None:
         """Insert event memories with their edges and topic memberships in one transaction
         (`rmm.memory.graph`): a refused or failed write leaves none of them."""
+        batch = graph.GraphWrite.check(user, events, edges or (), topics or ())
+        self._memories_with(user, batch.memories, batch.vectors(embeddings), lambda cur: graph.write(cur, "%s", batch))
+
+    def _memories_with(self, user: str, memories: list[Memory], vectors: np.ndarray | None,
+                       write: Callable[[Any], None]) -> None:
+        """Insert `memories` (or, with none, check the user and bump its generation), then `write`
+        the rows that point at them on the same cursor: one transaction for both."""
         import psycopg
 
-        batch = graph.GraphWrite.check(user, events, edges or (), topics or ())
-        memories = batch.memories
-        vectors = batch.vectors(embeddings)
         rows = [_row(m, None if vectors is None else vectors[j]) for j, m in enumerate(memories)]
         try:
             with self._tx() as cur:
@@ -228,7 +232,7 @@ class PostgresStore:
                 else:
                     self._generation(cur, user)
                     self._bump(cur, user)
-                graph.write(cur, "%s", batch)
+                write(cur)
         except psycopg.errors.UniqueViolation as exc:
             raise DuplicateMemoryError(f"memory already exists: {exc.diag.message_detail}; use update() to change it") from exc
 
@@ -244,22 +248,10 @@ class PostgresStore:
                   embeddings: torch.Tensor | np.ndarray | None = None) -> None:
         """Insert tree nodes (`rmm.memory.tree`), and the memories they show, in one transaction:
         a refused or failed write leaves neither."""
-        import psycopg
-
         batch = tree.TreeWrite.check(user, nodes, memories or ())
         memories = list(batch.memories)
         vectors = None if embeddings is None else as_matrix(embeddings, len(memories))
-        rows = [_row(m, None if vectors is None else vectors[j]) for j, m in enumerate(memories)]
-        try:
-            with self._tx() as cur:
-                if memories:
-                    self._insert(cur, memories, rows, vectors)
-                else:
-                    self._generation(cur, user)
-                    self._bump(cur, user)
-                tree.write(cur, "%s", batch)
-        except psycopg.errors.UniqueViolation as exc:
-            raise DuplicateMemoryError(f"memory already exists: {exc.diag.message_detail}; use update() to change it") from exc
+        self._memories_with(user, memories, vectors, lambda cur: tree.write(cur, "%s", batch))
 
     def edit_nodes(self, user: str, edits: list[NodeEdit]) -> None:
         """Write each edited node's next version (`rmm.memory.tree.NodeEdit`), all or nothing."""

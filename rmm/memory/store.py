@@ -26,7 +26,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -344,16 +344,20 @@ class MemoryStore:
         """Insert event memories with their edges and topic memberships in one transaction
         (`rmm.memory.graph`): a refused or failed write leaves none of them."""
         batch = graph.GraphWrite.check(user, events, edges or (), topics or ())
-        memories = batch.memories
+        self._memories_with(user, batch.memories, batch.vectors(embeddings), lambda cur: graph.write(cur, "?", batch))
+
+    def _memories_with(self, user: str, memories: list[Memory], vectors: np.ndarray | None,
+                       write: Callable[[Any], None]) -> None:
+        """Insert `memories` (or, with none, check the user and bump its generation), then `write`
+        the rows that point at them on the same cursor: one transaction for both."""
         rows = [_memory_row(m) for m in memories]
-        vectors = batch.vectors(embeddings)
         with self._write() as cur:
             if memories:
                 self._insert(cur, memories, rows, vectors)
             else:
                 self._require_user(cur, user)
                 self._bump(cur, user)
-            graph.write(cur, "?", batch)
+            write(cur)
 
     def rewire(self, user: str, old_ids: list[str], new_id: str) -> None:
         """A merge's graph half: move the edges and memberships of `old_ids` onto the event `new_id`."""
@@ -369,15 +373,8 @@ class MemoryStore:
         a refused or failed write leaves neither."""
         batch = tree.TreeWrite.check(user, nodes, memories or ())
         memories = list(batch.memories)
-        rows = [_memory_row(m) for m in memories]
         vectors = None if embeddings is None else as_matrix(embeddings, len(memories))
-        with self._write() as cur:
-            if memories:
-                self._insert(cur, memories, rows, vectors)
-            else:
-                self._require_user(cur, user)
-                self._bump(cur, user)
-            tree.write(cur, "?", batch)
+        self._memories_with(user, memories, vectors, lambda cur: tree.write(cur, "?", batch))
 
     def edit_nodes(self, user: str, edits: list[NodeEdit]) -> None:
         """Write each edited node's next version (`rmm.memory.tree.NodeEdit`), all or nothing."""

@@ -1,8 +1,8 @@
 """Semantic XPath's query language (Liu et al., §3.2 and App. A): a parser into a typed AST.
 
 Only the syntax lives here; executing a query over the memory tree (weighted node sets, scorers)
-comes next in issue 30 and reads the AST this module returns. Pure, no I/O, no imports above
-`rmm.errors`, so it sits in the memory layer beside the tree it will walk.
+is `rmm.memory.xpath_exec`, which reads the AST this module returns. Pure, no I/O, no imports
+above `rmm.errors`, so it sits in the memory layer beside the tree it walks.
 
 Grammar (EBNF; whitespace may separate any two tokens; ``{x}`` is zero or more, ``[x]`` optional)::
 

@@ -16,13 +16,12 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rmm.prompts.render import _render_history, load_template
+from rmm.prompts.render import _render_history, few_shot_messages, load_template
 from rmm.types import Memory, Message, Turn
 
 __all__ = ["NeighbourView", "NodeView", "action_messages", "compass_answer_messages", "node_handle",
            "plan_messages", "refine_messages", "start_messages"]
 
-_EXAMPLE, _EXAMPLE_OUTPUT, _INPUT = "@@EXAMPLE@@\n", "@@EXAMPLE_OUTPUT@@\n", "@@INPUT@@\n"
 _MAX_NODE_CHARS = 400
 
 
@@ -70,19 +69,11 @@ def render_node(view: NodeView, *, score: bool = False) -> str:
 
 
 def _messages(name: str, **values: str) -> list[Message]:
-    """System instructions, the worked example as a user/assistant exchange, then the case; every
-    part is a `string.Template` filled from `values` (the instructions may name bounds)."""
+    """The template `name` as few-shot chat messages (`rmm.prompts.render.few_shot_messages`); its
+    instructions may name bounds (`$max_nodes`), filled first."""
     text = string.Template(load_template(name).template).safe_substitute(**{k: v for k, v in values.items()
                                                                           if k == "max_nodes"})
-    instructions, _, rest = text.partition(_EXAMPLE)
-    example, _, rest = rest.partition(_EXAMPLE_OUTPUT)
-    output, _, task = rest.partition(_INPUT)
-    return [
-        {"role": "system", "content": instructions.strip()},
-        {"role": "user", "content": example.strip()},
-        {"role": "assistant", "content": output.strip()},
-        {"role": "user", "content": string.Template(task).substitute(**values).strip() + "\n"},
-    ]
+    return few_shot_messages(text, **values)
 
 
 def _subgoals(subgoals: Sequence[str], satisfied: Sequence[bool] | None = None) -> str:

@@ -8,10 +8,9 @@ so its citations are read by `rmm.policy.citations.parse_citations`.
 
 from __future__ import annotations
 
-import string
 from collections.abc import Mapping, Sequence
 
-from rmm.prompts.render import load_template
+from rmm.prompts.render import few_shot_messages, load_template
 from rmm.types import Memory, Message, Turn
 
 __all__ = [
@@ -23,7 +22,6 @@ __all__ = [
     "unify_messages",
 ]
 
-_EXAMPLE, _EXAMPLE_OUTPUT, _INPUT = "@@EXAMPLE@@\n", "@@EXAMPLE_OUTPUT@@\n", "@@INPUT@@\n"
 _MAX_FACT_CHARS = 600
 
 
@@ -32,20 +30,8 @@ def _one_line(text: str) -> str:
 
 
 def _messages(name: str, **values: str) -> list[Message]:
-    """Instructions as the system message, the worked example as a user/assistant exchange, then the case.
-
-    Small chat models copy the format of an assistant turn far more reliably than that of an
-    example written inside the instructions (which they tend to echo or continue).
-    """
-    instructions, _, rest = load_template(name).template.partition(_EXAMPLE)
-    example, _, rest = rest.partition(_EXAMPLE_OUTPUT)
-    output, _, task = rest.partition(_INPUT)
-    return [
-        {"role": "system", "content": instructions.strip()},
-        {"role": "user", "content": example.strip()},
-        {"role": "assistant", "content": output.strip()},
-        {"role": "user", "content": string.Template(task).substitute(**values).strip() + "\n"},
-    ]
+    """The template `name` as few-shot chat messages (`rmm.prompts.render.few_shot_messages`)."""
+    return few_shot_messages(load_template(name).template, **values)
 
 
 def render_fact(memory: Memory) -> str:

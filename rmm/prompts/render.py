@@ -14,6 +14,7 @@ from rmm.prompts.parse import PromptParseError
 from rmm.types import Memory, Message, Session, Turn
 
 __all__ = [
+    "few_shot_messages",
     "ANSWER_SCHEMA",
     "EXTRACTION_SCHEMA",
     "answer_messages",
@@ -78,6 +79,29 @@ def load_template(name: str) -> string.Template:
     except FileNotFoundError as error:
         raise ValueError(f"no prompt template named {name!r}") from error
     return string.Template(text)
+
+
+_FEW_SHOT = ("@@EXAMPLE@@\n", "@@EXAMPLE_OUTPUT@@\n", "@@INPUT@@\n")
+
+
+def few_shot_messages(template: str, **values: str) -> list[Message]:
+    """A template of instructions, a worked example, its output and the case as chat messages: the
+    instructions as the system message, the example as a user/assistant exchange, then the case
+    (filled from `values`).
+
+    Small chat models copy the format of an assistant turn far more reliably than that of an
+    example written inside the instructions (which they tend to echo or continue).
+    """
+    example_mark, output_mark, input_mark = _FEW_SHOT
+    instructions, _, rest = template.partition(example_mark)
+    example, _, rest = rest.partition(output_mark)
+    output, _, task = rest.partition(input_mark)
+    return [
+        {"role": "system", "content": instructions.strip()},
+        {"role": "user", "content": example.strip()},
+        {"role": "assistant", "content": output.strip()},
+        {"role": "user", "content": string.Template(task).substitute(**values).strip() + "\n"},
+    ]
 
 
 def _one_line(text: str) -> str:

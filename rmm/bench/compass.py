@@ -1,0 +1,386 @@
+"""CompassMem on LoCoMo's held-out conversations: flat events vs flat topics, graph search vs direct
+retrieval at the same turn budget, the oracle ceiling, the reranker's lift inside the search, the
+graph step's CPU time, the build time and the graph's structure beside the paper's.
+
+    python -m rmm.bench.compass --threads 1 [--retriever hybrid] [--threshold 0.3] [--json FILE]
+
+Users: `rmm train`'s shared-mode split (`rmm.training.splits.hold_out_users`, `--heldout 0.3
+--seed 0`): conv-30, conv-48 and conv-49 are held out and only read; the other seven are the
+training conversations (the heuristic's threshold 0.3 was chosen on them; the reranker of the
+"learned" rows is trained on their questions). Memories: the LLM-free fallback event graph
+(`rmm eval --granularity event`) and the fallback topic bank (`--granularity topic`), the
+`--retriever` first stage (default `hybrid`: BM25 + MiniLM, fused). Every recall is R@T
+(`rmm.eval.metrics.recall_at_turns`, T = 15 and 25 dialogue turns), per LoCoMo category 1-4 and
+over them ("all"; category 5, adversarial, is left out as LoCoMo reports it apart).
+
+Rows:
+
+* flat event / flat topic: one query, the first stage's ranking (as `rmm eval --granularity
+  event topic` scores it);
+* direct / heuristic / oracle: `rmm eval-controller --frontend compass --policy P` — the search's
+  kept nodes in the order kept vs one direct reranked query with as many events (its rank order),
+  both cut at T turns; the reranker untrained (identity start), no learning;
+* learned: the reranker first trained online over the training conversations' questions (the
+  heuristic search answering through the simulated citer, which cites shown nodes that hold gold
+  turns with the paper's precision/recall; +1 / -1 per shown node of every sampled slate, as the
+  search records them), then frozen and the held-out questions read with it: heuristic and direct
+  again. Train-then-read, not prequential: no held-out question is learned from.
+
+Timing (`time.process_time`, one torch thread): the graph walk alone (`CompassFrontend._explore`:
+queue, neighbour reads, neighbour slates, scores — no first-stage retrieval) and the per-question
+topic-layer read (`_topics`), per question; the build of each conversation's fallback event graph
+vs its fallback topic bank, in fresh banks, wall seconds. Structure: events per session, turns and
+words per event, out-edges per event, over all ten conversations, beside what the paper states
+(6-10 events asked per session; events of about 100 tokens; it reports no edge count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rmm.eval.metrics import TURN_BUDGETS
+from rmm.frontends.compass import CompassConfig, CompassFrontend
+from rmm.types import Dataset, Question
+
+log = logging.getLogger(__name__)
+
+CATEGORIES: tuple[int, ...] = (1, 2, 3, 4)
+PAPER = {"events_per_session": "6-10 (asked of the LLM)", "tokens_per_event": "~100 (App.: the chunk ablation's size)",
+         "edges_per_event": "not reported"}
+
+
+class TimedCompass(CompassFrontend):
+    """The CompassMem search with the CPU time of its graph walk and of its topic-layer read recorded
+    per question (process time: one torch thread makes it this search's alone)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.walk_seconds: list[float] = []
+        self.topic_seconds: list[float] = []
+
+    def _explore(self, q: Any) -> None:
+        started = time.process_time()
+        try:
+            super()._explore(q)
+        finally:
+            self.walk_seconds.append(time.process_time() - started)
+
+    def _topics(self, user: str) -> dict[str, str]:
+        started = time.process_time()
+        try:
+            return super()._topics(user)
+        finally:
+            self.topic_seconds.append(time.process_time() - started)
+
+
+@dataclass
+class SearchRun:
+    """One policy over the held-out questions: per-question R@T of the search and of the direct query."""
+
+    name: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    walk_ms: list[float] = field(default_factory=list)  # per question (summed over refinement rounds)
+    topic_ms: list[float] = field(default_factory=list)
+    table4: dict[str, float] = field(default_factory=dict)  # the paper's Table 4 over the questions' traces
+
+
+def subset(dataset: Dataset, users: Sequence[str]) -> Dataset:
+    """The dataset restricted to `users` (their sessions and questions)."""
+    keep = set(users)
+    return Dataset(dataset.name, {u: s for u, s in dataset.sessions.items() if u in keep},
+                   [q for q in dataset.questions if q.user_id in keep], dict(dataset.categories))
+
+
+def split_users(dataset: Dataset, heldout: float, seed: int) -> tuple[list[str], list[str]]:
+    """(training users, held-out users), each in dataset order: `rmm train`'s shared-mode split."""
+    from rmm.training.splits import hold_out_users
+
+    held, _ = hold_out_users(dataset.users, heldout, seed)
+    return [u for u in dataset.users if u not in held], [u for u in dataset.users if u in held]
+
+
+def scorable(dataset: Dataset, limit: int | None = None) -> list[Question]:
+    """The questions eval-controller scores: gold turns, not abstentions (and categories 1-4 here);
+    the first `limit` of them when given."""
+    found = [q for q in dataset.questions if q.evidence_turns and not q.abstention and q.category in CATEGORIES]
+    return found[: limit or None]
+
+
+def _direct(agent: Any, question: Question, n: int) -> list[str]:
+    """One reranked query with the question, its top-n distinct events (as `rmm eval-controller`'s direct arm)."""
+    if n == 0 or not agent.bank.store.has_user(question.user_id):
+        return []
+    retriever = agent.retriever(question.user_id, k=max(agent.k, n), m=min(agent.m, n))
+    (found,) = retriever.search([question.text], question.user_id, n)
+    return list(dict.fromkeys(found.memory_ids))[:n]
+
+
+def _refs(bank: Any, user: str, ids: list[str]) -> list[list[str]]:
+    found = {m.id: m.refs for m in bank.get(user, ids)} if ids else {}
+    return [found[i] for i in ids if i in found]
+
+
+def run_search(name: str, dataset: Dataset, retriever: Any, config: CompassConfig, *, learner: Any = None,
+               k: int = 20, m: int = 5, budgets: Sequence[int] = TURN_BUDGETS, limit: int | None = None) -> SearchRun:
+    """The search (kept nodes, in the order kept) vs one direct query with as many events, each cut at
+    T turns, per held-out question; learning off, with `learner`'s reranker (default: a fresh one)."""
+    from rmm.eval.retrieval import GoldScorer
+    from rmm.frontends.agent import Agent
+    from rmm.frontends.compass_trace import table4
+    from rmm.llm.simulated import SimulatedLLM
+    from rmm.memory.sessions import SessionLog
+
+    scorer = GoldScorer.for_dataset(dataset, "turn")
+    sessions = SessionLog(":memory:")
+    options = {"learner": learner} if learner is not None else {}
+    agent = Agent.over(retriever, SimulatedLLM(), k=k, m=m, learn=False, sessions=sessions, checkpoint_every=0,
+                       **options)
+    frontend = TimedCompass(agent, config)
+    run = SearchRun(name)
+    traces = []
+    try:
+        for q in scorable(dataset, limit):
+            frontend.walk_seconds.clear()
+            frontend.topic_seconds.clear()
+            response = frontend.respond(q.user_id, q.text, remember=False, gold=set(q.evidence_turns))
+            union = response.trace.retrieved
+            direct = _direct(agent, q, len(union))
+            row: dict[str, Any] = {"id": q.id, "category": q.category, "n_memories": len(union),
+                                   "kept": len(response.trace.kept), "steps": len(response.trace.steps)}
+            for arm, ids in (("search", union), ("direct", direct)):
+                turns = scorer.turn_budgets(_refs(agent.bank, q.user_id, ids), q, budgets)
+                row.update({f"{key}_{arm}": value for key, value in turns.items()})
+            run.rows.append(row)
+            traces.append(response.trace)
+            run.walk_ms.append(1000 * sum(frontend.walk_seconds))
+            run.topic_ms.append(1000 * sum(frontend.topic_seconds))
+    finally:
+        sessions.close()
+    run.table4 = table4(traces)
+    return run
+
+
+def train_reranker(dataset: Dataset, retriever: Any, config: CompassConfig, *, k: int = 20,
+                   m: int = 5, limit: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """A reranker trained online by the search over `dataset`'s questions (the training conversations):
+    the simulated citer answers from the kept nodes, each sampled slate learns from what it cites."""
+    from dataclasses import asdict, replace
+
+    from rmm.frontends.agent import Agent
+    from rmm.llm.simulated import SimulatedLLM, gold_evidence_oracle
+    from rmm.memory.sessions import SessionLog
+
+    llm = SimulatedLLM()
+    sessions = SessionLog(":memory:")
+    agent = Agent.over(retriever, llm, k=k, m=m, learn=True, sessions=sessions, checkpoint_every=0)
+    frontend = CompassFrontend(agent, replace(config, answer=True))
+    questions = scorable(dataset, limit)
+    t0 = time.perf_counter()
+    try:
+        for q in questions:
+            llm.oracle = gold_evidence_oracle(q.evidence_turns)
+            frontend.respond(q.user_id, q.text, remember=False, gold=set(q.evidence_turns))
+    finally:
+        sessions.close()
+    learner = agent.learner(questions[0].user_id)
+    learner.flush()
+    return learner, {"questions": len(questions), "seconds": time.perf_counter() - t0, **asdict(learner.stats)}
+
+
+def by_category(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """Mean of `key` (in %) per category and over categories 1-4 ("all")."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        groups[str(row["category"])].append(float(row[key]))
+        groups["all"].append(float(row[key]))
+    return {c: 100 * statistics.mean(v) for c, v in groups.items()}
+
+
+def flat_recall(dataset: Dataset, retriever: Any, granularity: str, name: str) -> dict[str, dict[str, float]]:
+    """The first stage's own ranking, R@T per category (as `rmm eval --granularity G` scores it)."""
+    from rmm.eval.retrieval import evaluate_orders
+
+    (report,) = evaluate_orders(dataset, retriever, granularity, (5, 10), {name: None}, progress=False).values()
+    out: dict[str, dict[str, float]] = {}
+    for t in TURN_BUDGETS:
+        key = f"recall_turns@{t}"
+        cats = {c: 100 * float(row[key]) for c, row in report.by_category.items() if int(c) in CATEGORIES}
+        out[key] = {**cats, "all": 100 * float(report.overall[key])}
+    return out
+
+
+def build_times(dataset: Dataset, users: Sequence[str], encoder: Any, cache: str | None) -> dict[str, Any]:
+    """Each conversation's fallback event graph and fallback topic bank built in fresh banks: wall
+    seconds of both, and the graph's structure."""
+    from rmm.bench.compass_build import structure
+    from rmm.eval.benchmark_bank import fill_events, fill_topics, passage_cache
+    from rmm.memory.bank import MemoryBank
+    from rmm.reflection import ProspectiveReflector
+    from rmm.reflection.events import EventGraphBuilder
+
+    rows = []
+    words: list[int] = []
+    with tempfile.TemporaryDirectory() as tmp, passage_cache(encoder, cache):
+        for user in users:
+            one = Dataset(dataset.name, {user: dataset.sessions[user]}, [])
+            with MemoryBank(Path(tmp) / f"events-{user}", encoder, device="cpu") as bank:
+                builder = EventGraphBuilder(bank)
+                t0 = time.perf_counter()
+                fill_events(bank, one, builder, progress=False)
+                event_seconds = time.perf_counter() - t0
+                stats = structure(bank.store, user, builder.report.sessions)
+                words += [len(m.text.split()) for m in bank.store.memories(user) if m.kind == "event"]
+            with MemoryBank(Path(tmp) / f"topics-{user}", encoder, device="cpu") as bank:
+                t0 = time.perf_counter()
+                fill_topics(bank, one, ProspectiveReflector(bank, None), progress=False)
+                topic_seconds = time.perf_counter() - t0
+            rows.append({"conversation": user, **stats, "event_seconds": event_seconds, "topic_seconds": topic_seconds,
+                         "thresholds": builder.thresholds.source})
+    sessions = sum(r["sessions"] for r in rows)
+    events = sum(r["events"] for r in rows)
+    turns = [t for r in rows for t in r["turns_per_event"]]
+    labels: Counter[str] = Counter()
+    for r in rows:
+        labels.update(r["labels"])
+    return {"conversations": len(rows), "sessions": sessions, "events": events,
+            "events_per_session": events / sessions, "turns_per_event": statistics.mean(turns),
+            "turns_per_event_median": statistics.median(turns), "words_per_event": statistics.mean(words),
+            "edges_per_event": sum(labels.values()) / events, "labels": dict(labels),
+            "topics": sum(r["topics"] for r in rows), "event_seconds": sum(r["event_seconds"] for r in rows),
+            "topic_seconds": sum(r["topic_seconds"] for r in rows), "thresholds": rows[0]["thresholds"] if rows else "",
+            "paper": PAPER}
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    if not ordered:
+        return {}
+    return {"mean": statistics.mean(ordered), "p50": ordered[len(ordered) // 2],
+            "p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], "max": ordered[-1]}
+
+
+def _line(label: str, cells: dict[str, float]) -> str:
+    return f"{label:<34}" + "".join(f"{cells.get(c, float('nan')):>8.1f}" for c in (*map(str, CATEGORIES), "all"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", default="locomo")
+    parser.add_argument("--retriever", default="hybrid", help="first stage: hybrid (BM25 + MiniLM), minilm, …")
+    parser.add_argument("--threshold", type=float, default=0.3,
+                        help="the heuristic's reranker-score threshold (0.3: chosen on the training conversations)")
+    parser.add_argument("--heldout", type=float, default=0.3, help="rmm train's --heldout (users held out)")
+    parser.add_argument("--seed", type=int, default=0, help="rmm train's --seed")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (timings assume 1)")
+    parser.add_argument("--cache-dir", help="rmm's cache folder (banks, passage vectors)")
+    parser.add_argument("--no-learn", action="store_true", help="skip the trained-reranker rows (the slow part)")
+    parser.add_argument("--no-build", action="store_true", help="skip the build timing and structure")
+    parser.add_argument("--limit", type=int, help="the first N questions of each set only (a smoke run)")
+    parser.add_argument("--json", help="write every figure (and per-question rows) as JSON")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from rmm.data import load_dataset
+    from rmm.eval.benchmark_bank import open_retriever
+    from rmm.policy.recipes import LearnerConfig
+
+    torch.set_num_threads(args.threads)
+    dataset = load_dataset(args.dataset, download=False)
+    train_users, held_users = split_users(dataset, args.heldout, args.seed)
+    held, train = subset(dataset, held_users), subset(dataset, train_users)
+    print(f"{dataset.name}: held out {', '.join(held_users)} ({len(scorable(held))} questions, categories 1-4); "
+          f"training {', '.join(train_users)}; first stage {args.retriever}; {args.threads} torch thread(s)")
+    record: dict[str, Any] = {"dataset": dataset.name, "retriever": args.retriever, "heldout_users": held_users,
+                              "training_users": train_users, "threshold": args.threshold, "threads": args.threads}
+
+    def opened(ds: Dataset, granularity: str, features: bool) -> Any:
+        return open_retriever(args.retriever, ds, granularity, cache=args.cache_dir, device="cpu", progress=False,
+                              candidate_features=features and LearnerConfig.candidate_features)
+
+    header = f"{'R@Tt (%) on held-out':<34}" + "".join(f"{c:>8}" for c in (*map(str, CATEGORIES), "all"))
+    flat = {g: flat_recall(held, opened(held, g, False).retriever, g, args.retriever) for g in ("event", "topic")}
+    record["flat"] = flat
+    events = opened(held, "event", True)
+    runs: dict[str, SearchRun] = {}
+    for policy in ("heuristic", "oracle"):
+        runs[policy] = run_search(policy, held, events.retriever, CompassConfig(policy=policy, threshold=args.threshold,
+                                                                                answer=False), limit=args.limit)
+    if not args.no_learn:
+        train_events = opened(train, "event", True)
+        learner, training = train_reranker(train, train_events.retriever,
+                                           CompassConfig(policy="heuristic", threshold=args.threshold),
+                                           limit=args.limit)
+        record["training"] = training
+        runs["learned"] = run_search("learned", held, events.retriever,
+                                     CompassConfig(policy="heuristic", threshold=args.threshold, answer=False),
+                                     learner=learner, limit=args.limit)
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for t in TURN_BUDGETS:
+        key = f"recall_turns@{t}"
+        rows = {"flat topic (first stage)": flat["topic"][key], "flat event (first stage)": flat["event"][key],
+                "direct, reranked (untrained)": by_category(runs["heuristic"].rows, f"{key}_direct"),
+                f"heuristic search (t={args.threshold:g})": by_category(runs["heuristic"].rows, f"{key}_search")}
+        if "learned" in runs:
+            rows["direct, reranker trained"] = by_category(runs["learned"].rows, f"{key}_direct")
+            rows["heuristic search, reranker trained"] = by_category(runs["learned"].rows, f"{key}_search")
+        rows["oracle search (ceiling)"] = by_category(runs["oracle"].rows, f"{key}_search")
+        table[key] = rows
+        print(f"\nR@{t}t " + "-" * 70)
+        print(header)
+        for label, cells in rows.items():
+            print(_line(label, cells))
+    record["table"] = table
+    timing = {name: {"walk_ms": _ms(run.walk_ms), "topics_ms": _ms(run.topic_ms),
+                     "memories": statistics.mean(r["n_memories"] for r in run.rows),
+                     "steps": statistics.mean(r["steps"] for r in run.rows), "table4": run.table4}
+              for name, run in runs.items()}
+    record["search"] = timing
+    record["rows"] = {name: run.rows for name, run in runs.items()}
+    print()
+    for name, t in timing.items():
+        walk, topics = t["walk_ms"], t["topics_ms"]
+        print(f"{name}: {t['memories']:.1f} events shown, {t['steps']:.1f} steps per question; graph walk CPU "
+              f"{walk['mean']:.2f} ms mean, p50 {walk['p50']:.2f}, p95 {walk['p95']:.2f}, max {walk['max']:.2f} "
+              f"(goal <= 20 ms); topic-layer read {topics['mean']:.2f} ms mean")
+        t4 = t["table4"]
+        print(f"  Table 4: initial nodes {t4['initial_nodes']:.1f}, paths {t4['paths']:.1f}, steps {t4['steps']:.1f}, "
+              f"path length {t4['path_length']:.2f} (max {t4['max_path_length']:.0f}), kept nodes "
+              f"{t4['kept_nodes']:.2f} (none kept: {t4['no_kept_nodes']:.0f}), max queue {t4['max_queue']:.1f}, "
+              f"EXPAND {100 * t4['action_expand']:.1f}% SKIP {100 * t4['action_skip']:.1f}% "
+              f"ANSWER {100 * t4['action_answer']:.1f}%")
+    if "training" in record:
+        tr = record["training"]
+        print(f"reranker trained on {tr['questions']} training questions in {tr['seconds']:.0f} s: "
+              f"{tr.get('updates', '?')} updates from {tr.get('records', '?')} sampled slates")
+    if not args.no_build:
+        from rmm.encoders import load_encoder
+
+        build = build_times(dataset, dataset.users, load_encoder("minilm", device="cpu"), args.cache_dir)
+        record["build"] = build
+        print(f"\nbuild, {build['conversations']} conversations, fresh banks: event graph "
+              f"{build['event_seconds']:.1f} s vs topic bank {build['topic_seconds']:.1f} s")
+        print(f"structure: {build['events_per_session']:.1f} events per session "
+              f"(paper: {PAPER['events_per_session']}); "
+              f"{build['turns_per_event']:.1f} turns per event (median {build['turns_per_event_median']:g}), "
+              f"{build['words_per_event']:.0f} words per event (paper: {PAPER['tokens_per_event']} tokens); "
+              f"{build['edges_per_event']:.2f} out-edges per event {build['labels']} (paper: "
+              f"{PAPER['edges_per_event']}); {build['topics']} topics")
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
