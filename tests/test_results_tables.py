@@ -64,3 +64,21 @@ def test_every_held_out_job_reads_held_out_and_no_training_section_does() -> Non
     for section in results.SECTIONS.values():
         for job in section.jobs:
             assert ("--read-heldout" in job.argv) == (section.name == "heldout"), (section.name, job.argv)
+
+
+def test_render_rebuilds_every_table_block_from_its_json(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(results, "OUT", tmp_path)
+    (tmp_path / "heldout.jsonl").write_text(json.dumps(_row("abc")) + "\n")
+    doc = "intro\n<!-- table: heldout -->\n| stale | 1.0 |\n<!-- /table -->\noutro\n"
+    rendered = results.render(doc)
+    assert "stale" not in rendered and "Measured at commit abc" in rendered
+    assert rendered.startswith("intro\n<!-- table: heldout -->\n") and rendered.endswith("<!-- /table -->\noutro\n")
+    assert results.render(rendered) == rendered  # a rendered document is its own render: --check passes
+
+
+def test_docs_results_tables_are_the_render_of_their_json() -> None:
+    """docs/results.md's tables are built from the JSON beside it, never typed by hand."""
+    doc = results.OUT.parent / "results.md"
+    text = doc.read_text()
+    assert "<!-- table: heldout -->" in text
+    assert results.render(text) == text, "python -m rmm.bench.results render docs/results.md"
