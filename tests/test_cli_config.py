@@ -135,7 +135,7 @@ BAD_FILES = [
     ("train", "- k\n", "training config {path} must be a mapping at the top level, got list"),
     ("train", "k: [1\n", "training config {path} is not valid YAML"),
     ("eval", "k: [5, 0]\n", "k: expected a positive integer, got 0 (from {path})"),
-    ("eval", "granularity: [turn, word]\n", "granularity: expected one of turn, session, topic, got 'word' (from {path})"),
+    ("eval", "granularity: [turn, word]\n", "granularity: expected one of turn, session, topic, event, got 'word' (from {path})"),
     ("eval", "retriever: []\n", "retriever: expected at least one value, got [] (from {path})"),
 ]
 

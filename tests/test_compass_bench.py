@@ -43,6 +43,8 @@ def test_search_rows_are_eval_controllers(events, policy: str) -> None:
             assert row[f"recall_turns@{t}_direct"] == ref[f"recall_turns@{t}_direct"]
     assert all(ms >= 0 for ms in run.walk_ms) and any(r["steps"] for r in run.rows)
     assert {r["category"] for r in run.rows} <= {1, 2, 3, 4}  # category 5 is reported apart
+    assert run.table4["questions"] == len(run.rows) and run.table4["steps"] == sum(r["steps"] for r in run.rows) / len(
+        run.rows)
 
 
 def test_trained_reranker_learns_from_the_searchs_sampled_slates(events) -> None:

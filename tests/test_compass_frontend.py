@@ -252,6 +252,11 @@ def test_parsers_read_loose_output_and_refuse_nothing_usable() -> None:
     step = parse_action("**ACTION:** expand\nNEXT_NODES: [N4, N5, N6, N7, N9]\nSATISFIED_SUBGOALS: [2, 8]", {4, 5, 6, 7}, 2)
     assert (step.action, step.next_nodes, step.satisfied) == ("EXPAND", [4, 5, 6], [2]) and len(step.warnings) == 3
     assert parse_action("ACTION: SKIP\nNEXT_NODES: [N4]\nSATISFIED_SUBGOALS: [1]", {4}, 2).satisfied == []
+    # SmolLM2's habit: the choice first, then musing on the other actions (every action word named)
+    musing = "1. EXPAND\nNEXT_NODES: [N4]\nI could SKIP it, or ANSWER now, but EXPAND is better."
+    assert parse_action(musing, {4}, 2).action == "EXPAND" and parse_action(musing, {4}, 2).next_nodes == [4]
+    with pytest.raises(PromptParseError):  # no action on the first line and several later: nothing to trust
+        parse_action("Let me think.\nSKIP or EXPAND or ANSWER?", {4}, 2)
     assert parse_refinement("New Query: Jen's instrument\nTarget Sub-goals: [2, 9]", 2).targets == [2]
     for parse in (parse_subgoals, lambda t: parse_node_choice(t, {1}, 3), lambda t: parse_action(t, {1}, 2),
                   lambda t: parse_refinement(t, 2)):

@@ -222,30 +222,12 @@ def flat_recall(dataset: Dataset, retriever: Any, granularity: str, name: str) -
 def build_times(dataset: Dataset, users: Sequence[str], encoder: Any, cache: str | None) -> dict[str, Any]:
     """Each conversation's fallback event graph and fallback topic bank built in fresh banks: wall
     seconds of both, and the graph's structure."""
-    from rmm.bench.compass_build import structure
-    from rmm.eval.benchmark_bank import fill_events, fill_topics, passage_cache
-    from rmm.memory.bank import MemoryBank
-    from rmm.reflection import ProspectiveReflector
-    from rmm.reflection.events import EventGraphBuilder
+    from rmm.bench.compass_build import build_both
+    from rmm.eval.benchmark_bank import passage_cache
 
-    rows = []
-    words: list[int] = []
     with tempfile.TemporaryDirectory() as tmp, passage_cache(encoder, cache):
-        for user in users:
-            one = Dataset(dataset.name, {user: dataset.sessions[user]}, [])
-            with MemoryBank(Path(tmp) / f"events-{user}", encoder, device="cpu") as bank:
-                builder = EventGraphBuilder(bank)
-                t0 = time.perf_counter()
-                fill_events(bank, one, builder, progress=False)
-                event_seconds = time.perf_counter() - t0
-                stats = structure(bank.store, user, builder.report.sessions)
-                words += [len(m.text.split()) for m in bank.store.memories(user) if m.kind == "event"]
-            with MemoryBank(Path(tmp) / f"topics-{user}", encoder, device="cpu") as bank:
-                t0 = time.perf_counter()
-                fill_topics(bank, one, ProspectiveReflector(bank, None), progress=False)
-                topic_seconds = time.perf_counter() - t0
-            rows.append({"conversation": user, **stats, "event_seconds": event_seconds, "topic_seconds": topic_seconds,
-                         "thresholds": builder.thresholds.source})
+        rows = [build_both(dataset, user, encoder, Path(tmp)) for user in users]
+    words = [w for r in rows for w in r.pop("event_words")]
     sessions = sum(r["sessions"] for r in rows)
     events = sum(r["events"] for r in rows)
     turns = [t for r in rows for t in r["turns_per_event"]]

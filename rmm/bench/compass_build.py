@@ -84,12 +84,33 @@ def structure(store: Any, user: str, sessions: int) -> dict[str, Any]:
             "topics": len(current_topics(store, user)), "turns_per_event": turns}
 
 
-def build(args: argparse.Namespace) -> int:
-    from rmm.eval.benchmark_bank import fill_events, fill_topics, passage_cache
+def build_both(dataset: Any, user: str, encoder: Any, folder: Path) -> dict[str, Any]:
+    """One conversation's fallback event graph and fallback topic bank, each built in a fresh bank
+    under `folder`: wall seconds of both, the graph's structure, merges and each event's word count."""
+    from rmm.eval.benchmark_bank import fill_events, fill_topics
     from rmm.memory.bank import MemoryBank
     from rmm.reflection import ProspectiveReflector
     from rmm.reflection.events import EventGraphBuilder
     from rmm.types import Dataset
+
+    one = Dataset(dataset.name, {user: dataset.sessions[user]}, [])
+    with MemoryBank(folder / f"events-{user}", encoder, device="cpu") as bank:
+        builder = EventGraphBuilder(bank)
+        t0 = time.perf_counter()
+        fill_events(bank, one, builder, progress=False)
+        event_seconds = time.perf_counter() - t0
+        stats = structure(bank.store, user, builder.report.sessions)
+        words = [len(m.text.split()) for m in bank.store.memories(user) if m.kind == "event"]
+    with MemoryBank(folder / f"topics-{user}", encoder, device="cpu") as bank:
+        t0 = time.perf_counter()
+        fill_topics(bank, one, ProspectiveReflector(bank, None), progress=False)
+        topic_seconds = time.perf_counter() - t0
+    return {"conversation": user, **stats, "merged": builder.report.events_merged, "event_seconds": event_seconds,
+            "topic_seconds": topic_seconds, "thresholds": builder.thresholds.source, "event_words": words}
+
+
+def build(args: argparse.Namespace) -> int:
+    from rmm.eval.benchmark_bank import passage_cache
 
     dataset, encoder = _setup(args)
     users = list(dataset.users)[: args.conversations]
@@ -98,22 +119,11 @@ def build(args: argparse.Namespace) -> int:
           f"{'merged':>7}{'event s':>9}{'topic s':>9}")
     with tempfile.TemporaryDirectory() as tmp, passage_cache(encoder, args.cache_dir):
         for user in users:
-            one = Dataset(dataset.name, {user: dataset.sessions[user]}, [])
-            with MemoryBank(Path(tmp) / f"events-{user}", encoder, device="cpu") as bank:
-                builder = EventGraphBuilder(bank)
-                t0 = time.perf_counter()
-                fill_events(bank, one, builder, progress=False)
-                event_seconds = time.perf_counter() - t0
-                stats = structure(bank.store, user, builder.report.sessions)
-            with MemoryBank(Path(tmp) / f"topics-{user}", encoder, device="cpu") as bank:
-                t0 = time.perf_counter()
-                fill_topics(bank, one, ProspectiveReflector(bank, None), progress=False)
-                topic_seconds = time.perf_counter() - t0
-            row = {"conversation": user, **stats, "merged": builder.report.events_merged,
-                   "event_seconds": event_seconds, "topic_seconds": topic_seconds,
-                   "thresholds": builder.thresholds.source}
+            row = build_both(dataset, user, encoder, Path(tmp))
+            row.pop("event_words")
             rows.append(row)
             turns = row["turns_per_event"]
+            event_seconds, topic_seconds = row["event_seconds"], row["topic_seconds"]
             print(f"{user:<9}{row['sessions']:>9}{row['events']:>8}{row['events'] / row['sessions']:>8.1f}"
                   f"{statistics.mean(turns):>9.1f}{row['edges'] / max(row['events'], 1):>9.2f}{row['topics']:>7}"
                   f"{row['merged']:>7}{event_seconds:>9.1f}{topic_seconds:>9.1f}", flush=True)

@@ -176,6 +176,12 @@ def parse_action(text: str, neighbours: Collection[int], n_subgoals: int) -> Exp
         if len(named) == 1:
             action = named.pop()  # type: ignore[assignment]
             _warn(warnings, "no readable 'ACTION:' line: took the one action word in the reply")
+    if action is None:  # a small model often leads with its choice ("1. EXPAND") and then muses on the others
+        first = next((line for line in text.splitlines() if line.strip()), "")
+        leading = {w.upper() for w in re.findall(r"\b(SKIP|EXPAND|ANSWER)\b", first, re.IGNORECASE)}
+        if len(leading) == 1:
+            action = leading.pop()  # type: ignore[assignment]
+            _warn(warnings, "no readable 'ACTION:' line: took the action word of the reply's first line")
     if action is None:
         raise PromptParseError(f"no action (SKIP / EXPAND / ANSWER) found in {text[:120]!r}")
     next_nodes: list[int] = []
