@@ -49,6 +49,7 @@ import torch
 
 from rmm.errors import RmmError
 from rmm.frontends.compass_trace import CompassTrace, LocalizationRecord, SlateRecord, StepRecord
+from rmm.frontends.rewards import reward_selections
 from rmm.frontends.trace import LLMCall
 from rmm.policy.citations import parse_citations
 from rmm.policy.retrieve import reranked
@@ -510,13 +511,7 @@ class CompassFrontend:
         policy = self.config.policy
         helped = set(cited) if policy == "heuristic" else set(q.kept) | set(cited)
         attributable = q.answer_read or (policy == "oracle") or (policy == "llm" and q.readable)
-        learner = self.agent.learner(q.user)
-        for selection, record in q.selections:
-            rewards = None
-            if attributable:
-                rewards = torch.tensor([1.0 if i in helped else -1.0 for i in selection.memory_ids])
-                record.reward = rewards.tolist()
-            learner.record(selection, rewards)
+        reward_selections(self.agent.learner(q.user), q.selections, helped, attributable)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _load(self, q: _Question, ids: Sequence[str]) -> None:

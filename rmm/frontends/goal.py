@@ -50,9 +50,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from rmm.errors import RmmError
+from rmm.frontends.rewards import reward_selections
 from rmm.frontends.trace import (
     BreadthStep,
     DepthStep,
@@ -440,13 +439,8 @@ class GoalFrontend:
         """Reward each subgoal query's selection by whether grounding or the answer used its memories."""
         if not self.agent.learn or not q.selections:
             return
-        learner = self.agent.learner(q.user)
         used = set(q.grounding_ids) | cited
-        signal = q.unify_read or q.answer_read
-        for selection, record in q.selections:
-            rewards = torch.tensor([1.0 if i in used else -1.0 for i in selection.memory_ids]) if signal else None
-            learner.record(selection, rewards)
-            record.reward = rewards.tolist() if rewards is not None else None
+        reward_selections(self.agent.learner(q.user), q.selections, used, q.unify_read or q.answer_read)
 
     def _within_budget(self, q: _Question, selection: Selection) -> Selection:
         """The longest prefix of the picks that keeps the question within its memory budget."""

@@ -46,10 +46,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from rmm.errors import RmmError
 from rmm.frontends.memr3_trace import EvidenceRecord, IterationRecord, MemR3Trace
+from rmm.frontends.rewards import reward_selections
 from rmm.frontends.trace import LLMCall, QueryRecord
 from rmm.policy.citations import parse_citations
 from rmm.prompts.memr3_parse import Decision, Generation, parse_generation
@@ -313,13 +312,7 @@ class MemR3Frontend:
             return
         helped = q.used.union(cited)
         attributable = q.attributed or q.answer_read
-        learner = self.agent.learner(q.user)
-        for selection, record in q.selections:
-            rewards = None
-            if attributable:
-                rewards = torch.tensor([1.0 if i in helped else -1.0 for i in selection.memory_ids])
-                record.reward = rewards.tolist()
-            learner.record(selection, rewards)
+        reward_selections(self.agent.learner(q.user), q.selections, helped, attributable)
 
     def _call(self, q: _Question, step: str, messages: list[Message], iteration: int, max_tokens: int,
               schema: dict | None) -> str:
