@@ -23,11 +23,37 @@ With `--events` the server builds CompassMem event graphs (`reflection_events: t
   row or topic membership of a missing memory — and at least one edge was written, so the check
   tested something.
 
+With `--tree` `--tree-writers` threads write Semantic XPath trees (`rmm.memory.tree`) under the
+same load, each over nodes of its own: new memories first (`/v1/memories`, 201) or ones it stored
+before, then one `POST
+/v1/users/{user}/tree/nodes` with an inner `Session` node (showing a memory or not) and `Turn` leaves
+showing them (or leaves under one of its live inner nodes, or a `Topic` inner node with no memory),
+`PATCH`es of 1-3 nodes (new attributes, a position, for a Turn another memory or parent: each a new
+version) and `DELETE`s (a tombstone for the node and its subtree). No route sends memories and
+the nodes showing them in one request, so beside the server a child process writes trees straight
+into a `MemoryStore` of its own (a bank folder `<bank>-tree-store`): `add_nodes(nodes, memories)`,
+new memories with the Session and Turn nodes showing them in one transaction, edits of 1-3 nodes
+and removals, each logged before and after it commits; it is killed with the server. A write cut
+off by the kill may or may not have landed, but only whole. After the restart it checks, through
+`GET .../tree` and from the stopped banks' SQLite files,
+
+* every acknowledged node is there as acknowledged: its latest version is the last acknowledged
+  edit (version number, attributes, parent, memory) and a removed node (or one in a removed
+  subtree) is a tombstone; the API's live tree is exactly the acknowledged live nodes;
+* nothing dangles: no tree row points at a missing memory, no live node has a missing or removed parent;
+* every node's versions are whole: 1..n with exactly one `latest` row, the newest; a row showing a
+  memory holds its text; each acknowledged add's nodes are all stored, and each request a kill cut
+  off landed whole or not at all;
+* the store writer's every committed memory is stored with its text, and a cut-off add's memories
+  are stored exactly when its nodes are;
+* some add, edit and removal was acknowledged, so the check tested something.
+
 Prints the counts; exits 1 if anything acknowledged was lost.
 
     python -m rmm.bench.crash                       # 6 writers, 2 readers, kill after 3-6 s
     python -m rmm.bench.crash --writers 16 --seconds 20 --rounds 3
     python -m rmm.bench.crash --events --rounds 2   # + 2 event writers: sessions into the event graph
+    python -m rmm.bench.crash --tree --rounds 2     # + 2 tree writers and a store writer: tree nodes
 """
 
 from __future__ import annotations
@@ -51,6 +77,7 @@ import httpx
 from rmm.errors import RmmError
 from rmm.memory.bank import STORE_FILE
 from rmm.serve.process import start_server_process
+from rmm.serve.scoping import scoped
 
 KEY, TENANT = "crash-test-key-0123", "crash"
 TOPICS = [["garden", "tomatoes", "compost", "seedlings"], ["marathon", "training", "running", "shoes"],
@@ -90,10 +117,368 @@ def session_body(rng: random.Random, session_id: str) -> dict:
     return {"session_id": session_id, "time": "2024-06-01", "turns": turns}
 
 
+@dataclass
+class NodeState:
+    """What one tree node should be after a write: its latest version and that version's fields."""
+
+    type: str
+    parent: str | None
+    attributes: dict[str, str]
+    memory_id: str | None
+    version: int = 1
+    deleted: bool = False
+
+
+@dataclass
+class TreeAcks:
+    """What the server acknowledged of the users' trees. `maybe` holds the nodes a request cut off by
+    the kill touched: each may be in any of the listed states (None: not stored, for an add)."""
+
+    nodes: dict[tuple[str, str], NodeState] = field(default_factory=dict)  # (user, node id) -> acknowledged state
+    maybe: dict[tuple[str, str], list[NodeState | None]] = field(default_factory=dict)
+    adds: list[tuple[str, list[str], bool]] = field(default_factory=list)  # (user, node ids, acknowledged) per request
+    cut: list[tuple[str, dict[str, NodeState | None], dict[str, NodeState]]] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: {"adds": 0, "nodes": 0, "edits": 0, "removes": 0,
+                                                            "tombstones": 0, "unexpected": 0,
+                                                            "cut_memories": 0, "cut_tree": 0})
+
+
+class TreeWriter:
+    """One thread's tree writes over nodes only it touches (so it knows each node's state): adds
+    (memories first, then the nodes showing them), edits and removes, recorded once acknowledged."""
+
+    def __init__(self, http: httpx.Client, rng: random.Random, prefix: str, users: list[str],
+                 acks: TreeAcks, acked: dict[tuple[str, str], str], lock: threading.Lock) -> None:
+        self.http, self.rng, self.prefix, self.users = http, rng, prefix, users
+        self.acks, self.acked, self.lock = acks, acked, lock
+        self.state: dict[tuple[str, str], NodeState] = {}  # this writer's nodes, as acknowledged
+        self.memories: dict[str, list[str]] = {u: [] for u in users}  # acknowledged memories per user
+        self.n = 0
+
+    def _id(self, kind: str) -> str:
+        self.n += 1
+        return f"{self.prefix}-{kind}{self.n}"
+
+    def _live(self, user: str, types: tuple[str, ...]) -> list[str]:
+        return sorted(i for (u, i), s in self.state.items() if u == user and not s.deleted and s.type in types)
+
+    def _cut_off(self, user: str, before: dict[str, NodeState | None], after: dict[str, NodeState]) -> None:
+        """The kill cut the request off: each node it touched is as before or as after it."""
+        with self.lock:
+            self.acks.counts["cut_tree"] += 1
+            self.acks.cut.append((user, dict(before), dict(after)))
+            for node_id, new in after.items():
+                self.acks.maybe[(user, node_id)] = [before.get(node_id), new]
+
+    def _unexpected(self, response: httpx.Response) -> None:
+        with self.lock:
+            self.acks.counts["unexpected"] += 1
+        print(f"unexpected tree answer {response.status_code}: {response.text[:300]}", file=sys.stderr)
+
+    def _post_memories(self, user: str, count: int) -> list[str]:
+        """Post `count` memories for new nodes to show (empty: refused); raises when cut off by the kill."""
+        batch = []
+        for _ in range(count):
+            memory_id = self._id("m")
+            batch.append({"id": memory_id, "text": sentence(self.rng, self.n)})
+        try:
+            response = self.http.post(f"/v1/users/{user}/memories", json={"memories": batch})
+        except httpx.HTTPError:
+            with self.lock:
+                self.acks.counts["cut_memories"] += 1
+            raise
+        if response.status_code != 201:
+            self._unexpected(response)
+            return []
+        with self.lock:
+            for memory in batch:
+                self.acked[(user, memory["id"])] = memory["text"]
+        self.memories[user] += [m["id"] for m in batch]
+        return [m["id"] for m in batch]
+
+    def step(self, stop: threading.Event) -> bool:
+        """One request (two for an add: its memories, then its nodes); False once cut off by the kill."""
+        user = self.rng.choice(self.users)
+        live = self._live(user, ("Session", "Topic", "Turn"))
+        roll = self.rng.random()
+        try:
+            if not live or roll < 0.4:
+                return self._add(user, stop)
+            if roll < 0.8:
+                return self._edit(user, live, stop)
+            return self._remove(user, live, stop)
+        except httpx.HTTPError:
+            return False
+
+    def _add(self, user: str, stop: threading.Event) -> bool:
+        sessions = self._live(user, ("Session",))
+        shape = self.rng.choice(["session", "leaves", "topic"]) if sessions else "session"
+        with_memory = shape == "session" and self.rng.random() < 0.5  # an inner node that needs a vector
+        leaves = self.rng.randint(1, 3)
+        known = self.memories[user]
+        if len(known) >= leaves + with_memory and self.rng.random() < 0.5:
+            # nodes showing memories it stored before (a memory may show in several nodes): no memory
+            # post, so more of the writer's time, and the kill, falls in tree requests
+            memory_ids = self.rng.sample(known, leaves + with_memory)
+        else:
+            memory_ids = self._post_memories(user, leaves + with_memory)
+        if not memory_ids:
+            return True
+        nodes: list[dict] = []
+        if shape == "session":
+            parent = self._id("s")
+            nodes.append({"id": parent, "type": "Session", "attributes": {"label": f"session {self.n}"},
+                          **({"memory_id": memory_ids.pop()} if with_memory else {})})
+        elif shape == "topic":
+            parent = self._id("p")
+            nodes.append({"id": parent, "type": "Topic", "parent": self.rng.choice(sessions),
+                          "attributes": {"label": " ".join(self.rng.sample(WORDS, 2))}})
+        else:
+            parent = self.rng.choice(self._live(user, ("Session", "Topic")))
+        nodes += [{"id": self._id("t"), "type": "Turn", "parent": parent, "memory_id": m,
+                   "attributes": {"speaker": self.rng.choice(["Ana", "Ben"])}} for m in memory_ids]
+        after = {n["id"]: NodeState(n["type"], n.get("parent"), dict(n["attributes"]), n.get("memory_id"))
+                 for n in nodes}
+        try:
+            response = self.http.post(f"/v1/users/{user}/tree/nodes", json={"nodes": nodes})
+        except httpx.HTTPError:
+            self._cut_off(user, {}, after)
+            with self.lock:
+                self.acks.adds.append((user, list(after), False))
+            return False
+        if response.status_code != 201:
+            if not stop.is_set():
+                self._unexpected(response)
+            return True
+        with self.lock:
+            for node_id, new in after.items():
+                self.state[(user, node_id)] = self.acks.nodes[(user, node_id)] = new
+            self.acks.adds.append((user, list(after), True))
+            self.acks.counts["adds"] += 1
+            self.acks.counts["nodes"] += len(after)
+        return True
+
+    def _edit(self, user: str, live: list[str], stop: threading.Event) -> bool:
+        """One PATCH of 1-3 of its live nodes (all or nothing): new attributes, sometimes a position,
+        for a Turn sometimes another memory or another parent."""
+        edits: list[dict] = []
+        before: dict[str, NodeState | None] = {}
+        after: dict[str, NodeState] = {}
+        for node_id in self.rng.sample(live, min(len(live), self.rng.randint(1, 3))):
+            old = before[node_id] = self.state[(user, node_id)]
+            edit: dict = {"id": node_id, "attributes": {**old.attributes, "label": f"edit {self._id('v')}"}}
+            new = after[node_id] = NodeState(old.type, old.parent, dict(edit["attributes"]), old.memory_id,
+                                             old.version + 1)
+            if self.rng.random() < 0.3:
+                edit["position"] = self.rng.randint(0, 20)
+            if old.type == "Turn" and self.rng.random() < 0.3:  # show another of its memories
+                edit["memory_id"] = new.memory_id = self.rng.choice(self.memories[user])
+            if old.type == "Turn" and self.rng.random() < 0.3:  # move under another of its inner nodes
+                edit["parent"] = new.parent = self.rng.choice(self._live(user, ("Session", "Topic")))
+            edits.append(edit)
+        try:
+            response = self.http.patch(f"/v1/users/{user}/tree/nodes", json={"edits": edits})
+        except httpx.HTTPError:
+            self._cut_off(user, before, after)
+            return False
+        if response.status_code != 200:
+            if not stop.is_set():
+                self._unexpected(response)
+            return True
+        with self.lock:
+            for node_id, new in after.items():
+                self.state[(user, node_id)] = self.acks.nodes[(user, node_id)] = new
+            self.acks.counts["edits"] += 1
+        return True
+
+    def _remove(self, user: str, live: list[str], stop: threading.Event) -> bool:
+        inner = self._live(user, ("Session", "Topic"))
+        node_id = self.rng.choice(inner if inner and self.rng.random() < 0.3 else live)
+        subtree, todo = [], [node_id]
+        while todo:  # the live subtree the server tombstones with it
+            current = todo.pop()
+            subtree.append(current)
+            todo += [i for (u, i), s in self.state.items() if u == user and not s.deleted and s.parent == current]
+        before = {i: self.state[(user, i)] for i in subtree}
+        after = {i: NodeState(s.type, s.parent, s.attributes, s.memory_id, s.version + 1, deleted=True)
+                 for i, s in before.items()}
+        try:
+            response = self.http.delete(f"/v1/users/{user}/tree/nodes/{node_id}")
+        except httpx.HTTPError:
+            self._cut_off(user, dict(before), after)
+            return False
+        if response.status_code != 200:
+            if not stop.is_set():
+                self._unexpected(response)
+            return True
+        with self.lock:
+            for i, s in after.items():
+                self.state[(user, i)] = self.acks.nodes[(user, i)] = s
+            self.acks.counts["removes"] += 1
+            self.acks.counts["tombstones"] += len(after)
+        return True
+
+
+def store_tree_bank(bank: Path) -> Path:
+    """--tree: the bank folder, beside the server's, that the store writer writes into."""
+    return bank.with_name(bank.name + "-tree-store")
+
+
+def _state_json(state: NodeState | None) -> dict | None:
+    return None if state is None else {"type": state.type, "parent": state.parent, "attributes": state.attributes,
+                                       "memory_id": state.memory_id, "version": state.version,
+                                       "deleted": state.deleted}
+
+
+def _state(record: dict | None) -> NodeState | None:
+    return None if record is None else NodeState(**record)
+
+
+def store_tree_writer(path: str, prefix: str, seed: int) -> None:
+    """The `--tree` child process: tree writes straight into a `MemoryStore`, where an add sends the
+    memories its nodes show in the same call (`add_nodes(nodes, memories)`: one transaction, which no
+    HTTP route offers), edits and removals; each printed as a JSON line before (`begin`) and after
+    it commits (`ack`), until the parent kills it with SIGKILL."""
+    from rmm.memory.store import MemoryStore
+    from rmm.memory.tree import NodeEdit, TreeNode
+    from rmm.types import Memory
+
+    store = MemoryStore(Path(path))
+    rng = random.Random(seed)
+    users = [scoped(TENANT, f"store-{k}") for k in range(2)]
+    state: dict[tuple[str, str], NodeState] = {}
+    n = 0
+
+    def emit(phase: str, op: str, user: str, before: dict, after: dict, memories: dict[str, str]) -> None:
+        print(json.dumps({"phase": phase, "op": op, "user": user[len(scoped(TENANT, "")):], "memories": memories,
+                          "before": {i: _state_json(b) for i, b in before.items()},
+                          "after": {i: _state_json(a) for i, a in after.items()}}), flush=True)
+
+    while True:
+        user = rng.choice(users)
+        live = sorted(i for (u, i), st in state.items() if u == user and not st.deleted)
+        sessions = [i for i in live if state[(user, i)].type == "Session"]
+        roll = rng.random()
+        memories: dict[str, str] = {}
+        if not sessions or roll < 0.4:  # memories and the nodes showing them, in one call
+            for _ in range(rng.randint(1, 3)):
+                n += 1
+                memories[f"{prefix}-m{n}"] = sentence(rng, n)
+            n += 1
+            parent = rng.choice(sessions) if sessions and rng.random() < 0.5 else f"{prefix}-s{n}"
+            nodes = [] if parent in sessions else [TreeNode(parent, "Session", attributes={"label": f"s {n}"},
+                                                            memory_id=next(iter(memories)))]
+            nodes += [TreeNode(f"{prefix}-t{m}", "Turn", parent, memory_id=m) for m in memories]
+            before: dict[str, NodeState | None] = {node.id: None for node in nodes}
+            after = {node.id: NodeState(node.type, node.parent, dict(node.attributes), node.memory_id)
+                     for node in nodes}
+            op = "adds"
+            emit("begin", op, user, before, after, memories)
+            store.add_nodes(user, nodes, [Memory(i, user, "turn", t) for i, t in memories.items()])
+        elif roll < 0.8:
+            ids = rng.sample(live, min(len(live), rng.randint(1, 3)))
+            before = {i: state[(user, i)] for i in ids}
+            n += 1
+            after = {i: NodeState(b.type, b.parent, {"label": f"edit {n}"}, b.memory_id, b.version + 1)
+                     for i, b in before.items() if b is not None}
+            op = "edits"
+            emit("begin", op, user, before, after, memories)
+            store.edit_nodes(user, [NodeEdit(i, attributes={"label": f"edit {n}"}) for i in ids])
+        else:
+            subtree, todo = [], [rng.choice(live)]
+            while todo:
+                current = todo.pop()
+                subtree.append(current)
+                todo += [i for i in live if state[(user, i)].parent == current]
+            before = {i: state[(user, i)] for i in subtree}
+            after = {i: NodeState(b.type, b.parent, b.attributes, b.memory_id, b.version + 1, deleted=True)
+                     for i, b in before.items() if b is not None}
+            op = "removes"
+            emit("begin", op, user, before, after, memories)
+            store.remove_nodes(user, subtree[:1])
+        for i, a in after.items():
+            state[(user, i)] = a
+        emit("ack", op, user, before, after, memories)
+
+
+def start_store_tree_writer(bank: Path, round_no: int) -> tuple[subprocess.Popen, Path]:
+    """Start `store_tree_writer` on `bank`'s store file; its JSON lines go to a file beside it."""
+    bank.mkdir(parents=True, exist_ok=True)
+    lines = bank / f"writes-round{round_no}.jsonl"
+    code = ("import sys; from rmm.bench.crash import store_tree_writer; "
+            "store_tree_writer(*sys.argv[1:3], int(sys.argv[3]))")
+    with lines.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(bank / STORE_FILE), f"r{round_no}-st",
+                                 str(11_000 + round_no)], stdout=out)
+    return proc, lines
+
+
+@dataclass
+class StoreTreeAcks:
+    """What the `--tree` store writer committed: its nodes (as `TreeAcks`) and memories, and for
+    each write its kill cut off, the memories and nodes it carried (all stored or none)."""
+
+    tree: TreeAcks = field(default_factory=TreeAcks)
+    memories: dict[tuple[str, str], str] = field(default_factory=dict)
+    cut: list[tuple[str, list[str], list[str]]] = field(default_factory=list)  # (user, memory ids, node ids)
+
+
+def read_store_tree_writer(lines: Path, acks: StoreTreeAcks) -> None:
+    """After its SIGKILL: record what the store writer acknowledged, and its write in flight (a
+    `begin` with no `ack`) as cut off."""
+    records = []
+    for line in lines.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # the kill cut the last line
+            break
+    tree_acks = acks.tree
+    for record in records:
+        user = record["user"]
+        after = {i: _state(a) for i, a in record["after"].items()}
+        if record["phase"] == "ack":
+            tree_acks.counts[record["op"]] += 1
+            acks.memories.update({(user, i): t for i, t in record["memories"].items()})
+            tree_acks.nodes.update({(user, i): a for i, a in after.items() if a is not None})
+            if record["op"] == "adds":
+                tree_acks.adds.append((user, list(after), True))
+    if records and records[-1]["phase"] == "begin":
+        record = records[-1]
+        user = record["user"]
+        before = {i: _state(b) for i, b in record["before"].items()}
+        after = {i: a for i, a in ((i, _state(a)) for i, a in record["after"].items()) if a is not None}
+        tree_acks.counts["cut_tree"] += 1
+        tree_acks.cut.append((user, before, after))
+        tree_acks.maybe.update({(user, i): [before.get(i), a] for i, a in after.items()})
+        acks.cut.append((user, list(record["memories"]), list(after)))
+
+
+def verify_store_tree(bank: Path, acks: StoreTreeAcks) -> bool:
+    """The store writer's bank: its tree checked as the server's (`verify_tree_tables`), every
+    acknowledged memory stored with its text, and a cut-off add's memories stored exactly when its
+    nodes are (one transaction). Returns True when something failed."""
+    failed = verify_tree_tables(bank, acks.tree, "store writer")
+    with sqlite3.connect(f"file:{bank / STORE_FILE}?mode=ro", uri=True) as db:
+        texts = {(u, i): t for u, i, t in db.execute("SELECT user_id, id, text FROM memories")}
+        nodes = {(u, i) for u, i in db.execute("SELECT user_id, node_id FROM tree_nodes")}
+    key = lambda user, i: (scoped(TENANT, user), i)  # noqa: E731
+    lost = [k for k, text in acks.memories.items() if texts.get(key(*k)) != text]
+    torn = [(user, memory_ids, node_ids) for user, memory_ids, node_ids in acks.cut if memory_ids
+            and len({key(user, m) in texts for m in memory_ids} | {key(user, i) in nodes for i in node_ids}) > 1]
+    print(f"store writer: {len(acks.memories)} acknowledged memories, {len(lost)} lost or changed; "
+          f"{sum(1 for c in acks.cut if c[1])} adds with memories cut off by the kills, {len(torn)} half stored")
+    for name, items in (("STORE WRITER LOST MEMORIES", lost), ("STORE WRITER TORN ADDS", torn)):
+        if items:
+            print(f"{name}: {items[:5]}", file=sys.stderr)
+    return bool(failed or lost or torn)
+
+
 def run_round(bank: Path, config: Path, log: Path, args: argparse.Namespace, round_no: int,
-              acked: dict[tuple[str, str], str], selections: list[str], event_acks: EventAcks | None = None
-              ) -> dict[str, int]:
+              acked: dict[tuple[str, str], str], selections: list[str], event_acks: EventAcks | None = None,
+              tree_acks: TreeAcks | None = None, store_acks: StoreTreeAcks | None = None) -> dict[str, int]:
     proc, url = start(bank, config, log)
+    if store_acks is not None:
+        store_proc, store_lines = start_store_tree_writer(store_tree_bank(bank), round_no)
     stop = threading.Event()
     lock = threading.Lock()
     attempts = {"writes": 0, "write_errors": 0, "reads": 0, "event_writes": 0}
@@ -178,15 +563,29 @@ def run_round(bank: Path, config: Path, log: Path, args: argparse.Namespace, rou
                     elif not stop.is_set():
                         print(f"unexpected {response.status_code}: {response.text}", file=sys.stderr)
 
+    def tree_writer(w: int) -> None:
+        assert tree_acks is not None
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
+            tree = TreeWriter(http, random.Random(9000 + 100 * round_no + w), f"r{round_no}-x{w}", users,
+                              tree_acks, acked, lock)
+            while not stop.is_set() and tree.step(stop):
+                pass
+
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(args.writers)]
     threads += [threading.Thread(target=reader, args=(r,)) for r in range(args.readers)]
     if event_acks is not None:
         threads += [threading.Thread(target=event_writer, args=(w,)) for w in range(args.event_writers)]
+    if tree_acks is not None:
+        threads += [threading.Thread(target=tree_writer, args=(w,)) for w in range(args.tree_writers)]
     for t in threads:
         t.start()
     delay = random.Random(round_no).uniform(args.seconds / 2, args.seconds)
     time.sleep(delay)
     os.kill(proc.pid, signal.SIGKILL)
+    if store_acks is not None:
+        os.kill(store_proc.pid, signal.SIGKILL)
+        store_proc.wait()
+        read_store_tree_writer(store_lines, store_acks)
     proc.wait()
     stop.set()
     for t in threads:
@@ -197,18 +596,30 @@ def run_round(bank: Path, config: Path, log: Path, args: argparse.Namespace, rou
     if event_acks is not None:
         print(f"  event graph: {len(event_acks.sessions)} sessions and {len(event_acks.events)} event memories "
               f"acknowledged so far; {attempts['event_writes']} event-writer requests answered this round", flush=True)
+    if tree_acks is not None:
+        c = tree_acks.counts
+        print(f"  tree: {c['adds']} add requests ({c['nodes']} nodes), {c['edits']} edits, {c['removes']} removals "
+              f"({c['tombstones']} tombstones) acknowledged so far; cut off by the kills: {c['cut_tree']} tree "
+              f"requests (touching {len(tree_acks.maybe)} nodes), {c['cut_memories']} memory posts", flush=True)
+    if store_acks is not None:
+        c = store_acks.tree.counts
+        print(f"  tree store writer: {c['adds']} adds with their memories, {c['edits']} edits, {c['removes']} "
+              f"removals committed so far; {c['cut_tree']} writes cut off by the kills", flush=True)
     return attempts
 
 
 def verify(bank: Path, config: Path, log: Path, acked: dict[tuple[str, str], str], selections: list[str],
-           sample: int, event_acks: EventAcks | None = None, job_timeout: float = 300.0) -> int:
+           sample: int, event_acks: EventAcks | None = None, job_timeout: float = 300.0,
+           tree_acks: TreeAcks | None = None, store_acks: StoreTreeAcks | None = None) -> int:
     proc, url = start(bank, config, log)
     lost: list[tuple[str, str]] = []
     wrong: list[tuple[str, str]] = []
-    graph_failed = False
+    graph_failed = tree_failed = False
     try:
         if event_acks is not None:
             graph_failed = verify_events(url, event_acks, job_timeout)
+        if tree_acks is not None:
+            tree_failed = verify_tree_api(url, tree_acks)
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
             stored: dict[tuple[str, str], str] = {}
             for user in sorted({u for (u, _) in acked}):
@@ -241,7 +652,12 @@ def verify(bank: Path, config: Path, log: Path, acked: dict[tuple[str, str], str
         print(f"LOST: {lost[:10]}", file=sys.stderr)
     if event_acks is not None:
         graph_failed = verify_graph_tables(bank) or graph_failed
-    failed = bool(lost or wrong or found < len(probe) or feedback_ok < len(selections) or graph_failed)
+    if tree_acks is not None:
+        tree_failed = verify_tree_tables(bank, tree_acks) or tree_failed
+    if store_acks is not None:
+        tree_failed = verify_store_tree(store_tree_bank(bank), store_acks) or tree_failed
+    failed = bool(lost or wrong or found < len(probe) or feedback_ok < len(selections) or graph_failed
+                  or tree_failed)
     print("CRASH TEST FAILED" if failed else "CRASH TEST PASSED: nothing acknowledged was lost")
     return 1 if failed else 0
 
@@ -327,6 +743,127 @@ def verify_graph_tables(bank: Path) -> bool:
     return bool(any(dangling.values()) or not edges)
 
 
+def _same(state: NodeState, node: dict) -> bool:
+    """Whether a stored node (API record or table row as a dict) is `state`."""
+    return (node["type"] == state.type and node["parent"] == state.parent and node["attributes"] == state.attributes
+            and node["memory_id"] == state.memory_id and node["version"] == state.version
+            and bool(node.get("deleted", False)) == state.deleted)
+
+
+def _matches(option: NodeState | None, node: dict | None) -> bool:
+    """Whether a stored node (None: not stored) is in state `option` (None: not stored)."""
+    return node is None if option is None else node is not None and _same(option, node)
+
+
+def _judge(acks: TreeAcks, stored: dict[tuple[str, str], dict], live_only: bool) -> dict[str, list]:
+    """Every acknowledged node against what is stored (`live_only`: the API's live tree, where a
+    tombstone is an absent node); nodes a cut-off request touched may be in any of their states."""
+    problems: dict[str, list] = {"lost": [], "wrong": [], "not removed": [], "unexplained": []}
+    for key, state in acks.nodes.items():
+        if key in acks.maybe:
+            continue
+        node = stored.get(key)
+        if live_only and state.deleted:
+            if node is not None:
+                problems["not removed"].append(key)
+        elif node is None:
+            problems["lost"].append(key)
+        elif not _same(state, node):
+            problems["not removed" if state.deleted else "wrong"].append((key, state, node))
+    for key, options in acks.maybe.items():
+        node = stored.get(key)
+        if not any((node is None) if option is not None and live_only and option.deleted
+                   else _matches(option, node) for option in options):
+            problems["unexplained"].append((key, options, node))
+    expected = set(acks.nodes) | set(acks.maybe)
+    problems["unknown"] = [key for key in stored if key not in expected]  # nothing else writes trees
+    return problems
+
+
+def _report_tree(where: str, problems: dict[str, list]) -> bool:
+    print(f"tree ({where}): " + ", ".join(f"{len(items)} {name}" for name, items in problems.items()))
+    for name, items in problems.items():
+        if items:
+            print(f"TREE {where.upper()} {name.upper()}: {items[:5]}", file=sys.stderr)
+    return any(problems.values())
+
+
+def verify_tree_api(url: str, acks: TreeAcks) -> bool:
+    """After the restart, each user's live tree (`GET .../tree`) is exactly the acknowledged live nodes,
+    each at its last acknowledged version. Returns True when something failed."""
+    stored: dict[tuple[str, str], dict] = {}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        for user in sorted({u for (u, _) in acks.nodes} | {u for (u, _) in acks.maybe}):
+            response = http.get(f"/v1/users/{user}/tree")
+            if response.status_code != 200:
+                print(f"tree of {user}: {response.status_code} {response.text[:200]}", file=sys.stderr)
+                return True
+            stored.update({(user, n["id"]): n for n in response.json()["nodes"]})
+    live = sum(1 for key, s in acks.nodes.items() if not s.deleted and key not in acks.maybe)
+    print(f"tree API after restart: {len(stored)} live nodes, {live} acknowledged live (not counting "
+          f"{len(acks.maybe)} touched by cut-off requests)")
+    return _report_tree("api", _judge(acks, stored, live_only=True))
+
+
+def verify_tree_tables(bank: Path, acks: TreeAcks, where: str = "sqlite") -> bool:
+    """The stopped server's SQLite file: every node's latest row is as acknowledged (removals are
+    tombstones), versions 1..n with one latest row, the newest; no row shows a missing memory or
+    another text than the memory's; no live node under a missing or removed parent; each acknowledged
+    add's nodes all there, and each request the kills cut off (add, edit, remove) landed whole or not
+    at all. Returns True when something failed."""
+    with sqlite3.connect(f"file:{bank / STORE_FILE}?mode=ro", uri=True) as db:
+        rows = db.execute("SELECT user_id, node_id, version, latest, deleted, parent_id, node_type, attributes, "
+                          "memory_id, text FROM tree_nodes ORDER BY user_id, node_id, version").fetchall()
+        texts = {(u, i): t for u, i, t in db.execute("SELECT user_id, id, text FROM memories")}
+    versions: dict[tuple[str, str], list[tuple]] = {}
+    for row in rows:
+        versions.setdefault((row[0], row[1]), []).append(row)
+    broken = [key for key, vs in versions.items()
+              if [v[2] for v in vs] != list(range(1, len(vs) + 1)) or [v[3] for v in vs] != [0] * (len(vs) - 1) + [1]]
+    dangling = [(r[0], r[1], r[2], r[8]) for r in rows if r[8] is not None and (r[0], r[8]) not in texts]
+    stale_text = [(r[0], r[1], r[2]) for r in rows if r[8] is not None and (r[0], r[8]) in texts
+                  and r[9] != texts[(r[0], r[8])]]
+    latest = {key: vs[-1] for key, vs in versions.items()}
+    orphans = [key for key, r in latest.items() if not r[4] and r[5] is not None
+               and ((key[0], r[5]) not in latest or latest[(key[0], r[5])][4])]
+    stored = {}
+    prefix = scoped(TENANT, "")
+    for (user_id, node_id), r in latest.items():
+        stored[(user_id[len(prefix):] if user_id.startswith(prefix) else user_id, node_id)] = {
+            "version": r[2], "deleted": bool(r[4]), "parent": r[5], "type": r[6], "attributes": json.loads(r[7]),
+            "memory_id": r[8]}
+    halves = [(user, ids, ok) for user, ids, ok in acks.adds
+              if len({(user, i) in stored for i in ids}) > 1 or (ok and (user, ids[0]) not in stored)]
+    landed = torn = 0  # requests the kills cut off: each must have landed whole or not at all
+    for user, before, after in acks.cut:
+        whole = all(_matches(new, stored.get((user, i))) for i, new in after.items())
+        none = all(_matches(before.get(i), stored.get((user, i))) for i in after)
+        landed += whole
+        if not whole and not none:
+            torn += 1
+            halves.append((user, list(after), "cut off, half applied"))
+    print(f"tree tables ({where}): {len(rows)} version rows of {len(versions)} nodes "
+          f"({sum(1 for r in latest.values() if r[4])} tombstoned); {len(broken)} with broken versions, "
+          f"{len(dangling)} rows showing a missing memory, {len(stale_text)} with another text than their memory's, "
+          f"{len(orphans)} live nodes with a missing or removed parent; {len(acks.adds)} add requests, "
+          f"{len(halves) - torn} half-written; {len(acks.cut)} tree requests cut off by the kills: {landed} landed "
+          f"whole, {len(acks.cut) - landed - torn} not at all, {torn} half")
+    failed = _report_tree(where, _judge(acks, stored, live_only=False))
+    for name, items in (("BROKEN VERSIONS", broken), ("DANGLING MEMORY", dangling), ("STALE TEXT", stale_text),
+                        ("ORPHANS", orphans), ("HALF-WRITTEN REQUESTS", halves)):
+        if items:
+            print(f"{name}: {items[:5]}", file=sys.stderr)
+    c = acks.counts
+    untested = [name for name in ("adds", "edits", "removes") if not c[name]]
+    if untested or not any(len(vs) > 1 for vs in versions.values()):
+        print(f"no acknowledged {untested or 'edit'} before the kills: the tree check tested too little "
+              "(raise --seconds)", file=sys.stderr)
+    if c["unexpected"]:
+        print(f"{c['unexpected']} tree requests got an unexpected answer under load", file=sys.stderr)
+    return bool(failed or broken or dangling or stale_text or orphans or halves or untested or c["unexpected"]
+                or not any(len(vs) > 1 for vs in versions.values()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--writers", type=int, default=6)
@@ -342,6 +879,10 @@ def main() -> int:
     parser.add_argument("--event-writers", type=int, default=2, help="--events: threads adding sessions and events")
     parser.add_argument("--job-timeout", type=float, default=300.0,
                         help="--events: seconds the restarted server gets to finish the acknowledged events jobs")
+    parser.add_argument("--tree", action="store_true",
+                        help="also add, edit and remove Semantic XPath tree nodes under the load (over HTTP, and "
+                             "straight into a store beside the bank: <bank>-tree-store) and check them")
+    parser.add_argument("--tree-writers", type=int, default=2, help="--tree: threads writing tree nodes")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rmm-crash-") as tmp:
         bank = Path(args.bank) if args.bank else Path(tmp) / "bank"
@@ -353,13 +894,16 @@ def main() -> int:
         acked: dict[tuple[str, str], str] = {}
         selections: list[str] = []
         event_acks = EventAcks() if args.events else None
+        tree_acks = TreeAcks() if args.tree else None
+        store_acks = StoreTreeAcks() if args.tree else None
         for round_no in range(args.rounds):
-            run_round(bank, config, log, args, round_no, acked, selections, event_acks)
+            run_round(bank, config, log, args, round_no, acked, selections, event_acks, tree_acks, store_acks)
         if not acked or (event_acks is not None and not event_acks.sessions):
             print("no write (or, with --events, no session) was acknowledged before the kill; raise --seconds",
                   file=sys.stderr)
             return 1
-        return verify(bank, config, log, acked, selections, args.sample, event_acks, args.job_timeout)
+        return verify(bank, config, log, acked, selections, args.sample, event_acks, args.job_timeout, tree_acks,
+                      store_acks)
 
 
 if __name__ == "__main__":
