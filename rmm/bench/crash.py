@@ -71,6 +71,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -239,24 +240,12 @@ class TreeWriter:
                    "attributes": {"speaker": self.rng.choice(["Ana", "Ben"])}} for m in memory_ids]
         after = {n["id"]: NodeState(n["type"], n.get("parent"), dict(n["attributes"]), n.get("memory_id"))
                  for n in nodes}
-        try:
-            response = self.http.post(f"/v1/users/{user}/tree/nodes", json={"nodes": nodes})
-        except httpx.HTTPError:
-            self._cut_off(user, {}, after)
+        sent = self._send(user, "POST", f"/v1/users/{user}/tree/nodes", {"nodes": nodes}, 201, {}, after, stop,
+                          {"adds": 1, "nodes": len(after)})
+        if sent is not None:
             with self.lock:
-                self.acks.adds.append((user, list(after), False))
-            return False
-        if response.status_code != 201:
-            if not stop.is_set():
-                self._unexpected(response)
-            return True
-        with self.lock:
-            for node_id, new in after.items():
-                self.state[(user, node_id)] = self.acks.nodes[(user, node_id)] = new
-            self.acks.adds.append((user, list(after), True))
-            self.acks.counts["adds"] += 1
-            self.acks.counts["nodes"] += len(after)
-        return True
+                self.acks.adds.append((user, list(after), sent))
+        return sent is not False
 
     def _edit(self, user: str, live: list[str], stop: threading.Event) -> bool:
         """One PATCH of 1-3 of its live nodes (all or nothing): new attributes, sometimes a position,
@@ -276,20 +265,9 @@ class TreeWriter:
             if old.type == "Turn" and self.rng.random() < 0.3:  # move under another of its inner nodes
                 edit["parent"] = new.parent = self.rng.choice(self._live(user, ("Session", "Topic")))
             edits.append(edit)
-        try:
-            response = self.http.patch(f"/v1/users/{user}/tree/nodes", json={"edits": edits})
-        except httpx.HTTPError:
-            self._cut_off(user, before, after)
-            return False
-        if response.status_code != 200:
-            if not stop.is_set():
-                self._unexpected(response)
-            return True
-        with self.lock:
-            for node_id, new in after.items():
-                self.state[(user, node_id)] = self.acks.nodes[(user, node_id)] = new
-            self.acks.counts["edits"] += 1
-        return True
+        sent = self._send(user, "PATCH", f"/v1/users/{user}/tree/nodes", {"edits": edits}, 200, before, after, stop,
+                          {"edits": 1})
+        return sent is not False
 
     def _remove(self, user: str, live: list[str], stop: threading.Event) -> bool:
         inner = self._live(user, ("Session", "Topic"))
@@ -302,20 +280,30 @@ class TreeWriter:
         before = {i: self.state[(user, i)] for i in subtree}
         after = {i: NodeState(s.type, s.parent, s.attributes, s.memory_id, s.version + 1, deleted=True)
                  for i, s in before.items()}
+        sent = self._send(user, "DELETE", f"/v1/users/{user}/tree/nodes/{node_id}", None, 200, dict(before), after,
+                          stop, {"removes": 1, "tombstones": len(after)})
+        return sent is not False
+
+    def _send(self, user: str, method: str, url: str, body: dict[str, Any] | None, ok: int,
+              before: dict[str, NodeState], after: dict[str, NodeState], stop: threading.Event,
+              counts: dict[str, int]) -> bool | None:
+        """One tree request: True when acknowledged (the nodes' states become `after`, `counts` are
+        added), False when the kill cut it off (either state may have landed: `_cut_off` records
+        both), None when refused (an unexpected status is reported unless the run is stopping)."""
         try:
-            response = self.http.delete(f"/v1/users/{user}/tree/nodes/{node_id}")
+            response = self.http.request(method, url, json=body)
         except httpx.HTTPError:
-            self._cut_off(user, dict(before), after)
+            self._cut_off(user, before, after)
             return False
-        if response.status_code != 200:
+        if response.status_code != ok:
             if not stop.is_set():
                 self._unexpected(response)
-            return True
+            return None
         with self.lock:
-            for i, s in after.items():
-                self.state[(user, i)] = self.acks.nodes[(user, i)] = s
-            self.acks.counts["removes"] += 1
-            self.acks.counts["tombstones"] += len(after)
+            for node_id, new in after.items():
+                self.state[(user, node_id)] = self.acks.nodes[(user, node_id)] = new
+            for key, n in counts.items():
+                self.acks.counts[key] += n
         return True
 
 
