@@ -35,9 +35,8 @@ from rmm.errors import (
     UnknownUserError,
 )
 from rmm.memory import graph, tree
-from rmm.memory.graph import Edge, Event, Topic
 from rmm.memory.pg_database import DEFAULT_POOL_MAX, PgDatabase
-from rmm.memory.tree import NodeEdit, TreeNode
+from rmm.memory.structures import StructureMethods
 from rmm.memory.validation import (
     MAX_LISTED_USERS,
     DuplicateMemoryError,
@@ -100,7 +99,7 @@ def _matrix(vectors: list[Any], dim: int) -> torch.Tensor:
     return torch.from_numpy(np.stack([v.to_numpy() for v in vectors]).astype(np.float32, copy=False))
 
 
-class PostgresStore:
+class PostgresStore(StructureMethods):
     """Memories, embeddings and users of one bank in a PostgreSQL schema. Thread-safe (a pool).
 
     `url` is ``postgresql://user:password@host:port/database?schema=BANK`` (schema defaults to
@@ -145,6 +144,21 @@ class PostgresStore:
         if total > MAX_LISTED_USERS:
             total = int(cur.execute("SELECT count(*) FROM users WHERE active").fetchone()[0])  # type: ignore[index]
         return unknown_user(user, self.location, users, total)
+
+    _mark = "%s"  # for the SQL `rmm.memory.graph` and `rmm.memory.tree` share with SQLite
+
+    @contextmanager
+    def _reading(self, user: str) -> Iterator[psycopg.Cursor[Any]]:
+        with self._tx() as cur:
+            self._generation(cur, user)
+            yield cur
+
+    @contextmanager
+    def _writing(self, user: str) -> Iterator[psycopg.Cursor[Any]]:
+        with self._tx() as cur:
+            self._generation(cur, user)
+            self._bump(cur, user)
+            yield cur
 
     def _generation(self, cur: psycopg.Cursor[Any], user: str) -> int:
         row = cur.execute("SELECT generation FROM users WHERE user_id = %s AND active", (user,)).fetchone()
@@ -211,13 +225,6 @@ class PostgresStore:
         for user in sorted({m.user_id for m in memories}):  # one lock order: no deadlocks between writers
             self._bump(cur, user)
 
-    def add_events(self, user: str, events: list[Event | Memory], edges: list[Edge] | None = None,
-                   topics: list[Topic] | None = None, embeddings: torch.Tensor | np.ndarray | None = None) -> None:
-        """Insert event memories with their edges and topic memberships in one transaction
-        (`rmm.memory.graph`): a refused or failed write leaves none of them."""
-        batch = graph.GraphWrite.check(user, events, edges or (), topics or ())
-        self._memories_with(user, batch.memories, batch.vectors(embeddings), lambda cur: graph.write(cur, "%s", batch))
-
     def _memories_with(self, user: str, memories: list[Memory], vectors: np.ndarray | None,
                        write: Callable[[Any], None]) -> None:
         """Insert `memories` (or, with none, check the user and bump its generation), then `write`
@@ -235,40 +242,6 @@ class PostgresStore:
                 write(cur)
         except psycopg.errors.UniqueViolation as exc:
             raise DuplicateMemoryError(f"memory already exists: {exc.diag.message_detail}; use update() to change it") from exc
-
-    def rewire(self, user: str, old_ids: list[str], new_id: str) -> None:
-        """A merge's graph half: move the edges and memberships of `old_ids` onto the event `new_id`."""
-        with self._tx() as cur:
-            self._generation(cur, user)
-            self._require_ids(cur, user, [*old_ids, new_id])
-            self._bump(cur, user)  # first: its row lock serialises this user's graph writes
-            graph.rewire(cur, "%s", user, list(old_ids), new_id)
-
-    def add_nodes(self, user: str, nodes: list[TreeNode], memories: list[Memory] | None = None,
-                  embeddings: torch.Tensor | np.ndarray | None = None) -> None:
-        """Insert tree nodes (`rmm.memory.tree`), and the memories they show, in one transaction:
-        a refused or failed write leaves neither."""
-        batch = tree.TreeWrite.check(user, nodes, memories or ())
-        memories = list(batch.memories)
-        vectors = None if embeddings is None else as_matrix(embeddings, len(memories))
-        self._memories_with(user, memories, vectors, lambda cur: tree.write(cur, "%s", batch))
-
-    def edit_nodes(self, user: str, edits: list[NodeEdit]) -> None:
-        """Write each edited node's next version (`rmm.memory.tree.NodeEdit`), all or nothing."""
-        check_user_name(user)
-        edits = list(edits)
-        with self._tx() as cur:
-            self._generation(cur, user)
-            self._bump(cur, user)
-            tree.edit(cur, "%s", user, edits)
-
-    def remove_nodes(self, user: str, ids: list[str]) -> None:
-        """Tombstone nodes and their subtrees (their memories stay; the history stays readable)."""
-        check_user_name(user)
-        with self._tx() as cur:
-            self._generation(cur, user)
-            self._bump(cur, user)
-            tree.remove(cur, "%s", user, list(ids))
 
     def update(self, memory: Memory, embedding: torch.Tensor | np.ndarray | None = None) -> None:
         """Replace every field of an existing memory; the embedding too when one is given."""
@@ -375,43 +348,6 @@ class PostgresStore:
             self._generation(cur, user)
             rows = cur.execute(f"SELECT {_COLUMNS} FROM memories WHERE user_id = %s ORDER BY seq", (user,)).fetchall()
         return [_memory(r) for r in rows]
-
-    def neighbours(self, user: str, memory_id: str, direction: graph.Direction = "out", label: str | None = None) -> list[Edge]:
-        """The edges leaving / entering / touching one memory of `user` (`rmm.memory.graph.neighbours`)."""
-        with self._tx() as cur:
-            self._generation(cur, user)
-            self._require_ids(cur, user, [memory_id])
-            return graph.neighbours(cur, "%s", user, memory_id, direction, label)
-
-    def topics(self, user: str) -> list[Topic]:
-        """Every topic of `user` with its members."""
-        with self._tx() as cur:
-            self._generation(cur, user)
-            return graph.topics(cur, "%s", user)
-
-    def members(self, user: str, topic: str) -> list[str]:
-        """The event ids in one topic of `user` (empty for a topic that does not exist)."""
-        with self._tx() as cur:
-            self._generation(cur, user)
-            return graph.members(cur, "%s", user, topic)
-
-    def participants(self, user: str, ids: list[str]) -> dict[str, tuple[str, ...]]:
-        """The participants of the given events of `user`."""
-        with self._tx() as cur:
-            self._generation(cur, user)
-            return graph.participants(cur, "%s", user, ids)
-
-    def tree(self, user: str, as_of: int | None = None) -> list[TreeNode]:
-        """`user`'s tree in tree order: the latest versions, or as it was after generation `as_of`."""
-        with self._tx() as cur:
-            self._generation(cur, user)
-            return tree.read(cur, "%s", user, as_of)
-
-    def node_history(self, user: str, node_id: str) -> list[TreeNode]:
-        """Every version of one node of `user`, oldest first."""
-        with self._tx() as cur:
-            self._generation(cur, user)
-            return tree.history(cur, "%s", user, node_id)
 
     def _dim(self, cur: psycopg.Cursor[Any]) -> int:
         row = cur.execute("SELECT value FROM meta WHERE key = 'embedding_dim'").fetchone()

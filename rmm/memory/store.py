@@ -36,8 +36,7 @@ import torch
 
 from rmm.errors import CorruptFileError, RmmError, UnknownUserError
 from rmm.memory import graph, tree
-from rmm.memory.graph import Edge, Event, Topic
-from rmm.memory.tree import NodeEdit, TreeNode
+from rmm.memory.structures import StructureMethods
 from rmm.memory.validation import (
     MAX_LISTED_USERS,
     DuplicateMemoryError,
@@ -130,7 +129,7 @@ def _memory_from_row(row: Sequence[Any]) -> Memory:
     )
 
 
-class MemoryStore:
+class MemoryStore(StructureMethods):
     """Memories, embeddings and metadata of every user of one bank, in one SQLite file.
 
     Thread-safe: one connection (`check_same_thread=False`) guarded by a lock, since a server
@@ -263,6 +262,25 @@ class MemoryStore:
             self._check_open()
             yield self._conn
 
+    _mark = "?"  # for the SQL `rmm.memory.graph` and `rmm.memory.tree` share with PostgreSQL
+
+    @contextmanager
+    def _reading(self, user: str) -> Iterator[sqlite3.Cursor]:
+        with self._read() as conn:
+            self._require_user(conn, user)
+            cur = conn.cursor()
+            try:
+                yield cur
+            finally:
+                cur.close()
+
+    @contextmanager
+    def _writing(self, user: str) -> Iterator[sqlite3.Cursor]:
+        with self._write() as cur:
+            self._require_user(cur, user)
+            self._bump(cur, user)
+            yield cur
+
     # ----------------------------------------------------------------- helpers
 
     def _unknown_user(self, conn: sqlite3.Connection | sqlite3.Cursor, user: str) -> UnknownUserError:
@@ -339,13 +357,6 @@ class MemoryStore:
         for user in dict.fromkeys(m.user_id for m in memories):
             self._bump(cur, user)
 
-    def add_events(self, user: str, events: list[Event | Memory], edges: list[Edge] | None = None,
-                   topics: list[Topic] | None = None, embeddings: torch.Tensor | np.ndarray | None = None) -> None:
-        """Insert event memories with their edges and topic memberships in one transaction
-        (`rmm.memory.graph`): a refused or failed write leaves none of them."""
-        batch = graph.GraphWrite.check(user, events, edges or (), topics or ())
-        self._memories_with(user, batch.memories, batch.vectors(embeddings), lambda cur: graph.write(cur, "?", batch))
-
     def _memories_with(self, user: str, memories: list[Memory], vectors: np.ndarray | None,
                        write: Callable[[Any], None]) -> None:
         """Insert `memories` (or, with none, check the user and bump its generation), then `write`
@@ -358,40 +369,6 @@ class MemoryStore:
                 self._require_user(cur, user)
                 self._bump(cur, user)
             write(cur)
-
-    def rewire(self, user: str, old_ids: list[str], new_id: str) -> None:
-        """A merge's graph half: move the edges and memberships of `old_ids` onto the event `new_id`."""
-        with self._write() as cur:
-            self._require_user(cur, user)
-            self._require_ids(cur, user, [*old_ids, new_id])
-            self._bump(cur, user)  # first: its row lock serialises this user's graph writes
-            graph.rewire(cur, "?", user, list(old_ids), new_id)
-
-    def add_nodes(self, user: str, nodes: list[TreeNode], memories: list[Memory] | None = None,
-                  embeddings: torch.Tensor | np.ndarray | None = None) -> None:
-        """Insert tree nodes (`rmm.memory.tree`), and the memories they show, in one transaction:
-        a refused or failed write leaves neither."""
-        batch = tree.TreeWrite.check(user, nodes, memories or ())
-        memories = list(batch.memories)
-        vectors = None if embeddings is None else as_matrix(embeddings, len(memories))
-        self._memories_with(user, memories, vectors, lambda cur: tree.write(cur, "?", batch))
-
-    def edit_nodes(self, user: str, edits: list[NodeEdit]) -> None:
-        """Write each edited node's next version (`rmm.memory.tree.NodeEdit`), all or nothing."""
-        check_user_name(user)
-        edits = list(edits)
-        with self._write() as cur:
-            self._require_user(cur, user)
-            self._bump(cur, user)
-            tree.edit(cur, "?", user, edits)
-
-    def remove_nodes(self, user: str, ids: list[str]) -> None:
-        """Tombstone nodes and their subtrees (their memories stay; the history stays readable)."""
-        check_user_name(user)
-        with self._write() as cur:
-            self._require_user(cur, user)
-            self._bump(cur, user)
-            tree.remove(cur, "?", user, list(ids))
 
     def update(self, memory: Memory, embedding: torch.Tensor | np.ndarray | None = None) -> None:
         """Replace every field of an existing memory; the embedding too when one is given."""
@@ -560,43 +537,6 @@ class MemoryStore:
             return out_ids, torch.zeros((0, dim), dtype=torch.float32)
         matrix = np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(blobs), -1)
         return out_ids, torch.from_numpy(matrix.copy())
-
-    def neighbours(self, user: str, memory_id: str, direction: graph.Direction = "out", label: str | None = None) -> list[Edge]:
-        """The edges leaving / entering / touching one memory of `user` (`rmm.memory.graph.neighbours`)."""
-        with self._read() as conn:
-            self._require_user(conn, user)
-            self._require_ids(conn, user, [memory_id])
-            return graph.neighbours(conn.cursor(), "?", user, memory_id, direction, label)
-
-    def topics(self, user: str) -> list[Topic]:
-        """Every topic of `user` with its members."""
-        with self._read() as conn:
-            self._require_user(conn, user)
-            return graph.topics(conn.cursor(), "?", user)
-
-    def members(self, user: str, topic: str) -> list[str]:
-        """The event ids in one topic of `user` (empty for a topic that does not exist)."""
-        with self._read() as conn:
-            self._require_user(conn, user)
-            return graph.members(conn.cursor(), "?", user, topic)
-
-    def participants(self, user: str, ids: list[str]) -> dict[str, tuple[str, ...]]:
-        """The participants of the given events of `user`."""
-        with self._read() as conn:
-            self._require_user(conn, user)
-            return graph.participants(conn.cursor(), "?", user, ids)
-
-    def tree(self, user: str, as_of: int | None = None) -> list[TreeNode]:
-        """`user`'s tree in tree order: the latest versions, or as it was after generation `as_of`."""
-        with self._read() as conn:
-            self._require_user(conn, user)
-            return tree.read(conn.cursor(), "?", user, as_of)
-
-    def node_history(self, user: str, node_id: str) -> list[TreeNode]:
-        """Every version of one node of `user`, oldest first."""
-        with self._read() as conn:
-            self._require_user(conn, user)
-            return tree.history(conn.cursor(), "?", user, node_id)
 
     # ----------------------------------------------------------------- lifecycle
 
