@@ -42,7 +42,7 @@ import logging
 import statistics
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,25 +222,15 @@ def flat_recall(dataset: Dataset, retriever: Any, granularity: str, name: str) -
 def build_times(dataset: Dataset, users: Sequence[str], encoder: Any, cache: str | None) -> dict[str, Any]:
     """Each conversation's fallback event graph and fallback topic bank built in fresh banks: wall
     seconds of both, and the graph's structure."""
-    from rmm.bench.compass_build import build_both
+    from rmm.bench.compass_build import build_both, totals
     from rmm.eval.benchmark_bank import passage_cache
 
     with tempfile.TemporaryDirectory() as tmp, passage_cache(encoder, cache):
         rows = [build_both(dataset, user, encoder, Path(tmp)) for user in users]
     words = [w for r in rows for w in r.pop("event_words")]
-    sessions = sum(r["sessions"] for r in rows)
-    events = sum(r["events"] for r in rows)
-    turns = [t for r in rows for t in r["turns_per_event"]]
-    labels: Counter[str] = Counter()
-    for r in rows:
-        labels.update(r["labels"])
-    return {"conversations": len(rows), "sessions": sessions, "events": events,
-            "events_per_session": events / sessions, "turns_per_event": statistics.mean(turns),
-            "turns_per_event_median": statistics.median(turns), "words_per_event": statistics.mean(words),
-            "edges_per_event": sum(labels.values()) / events, "labels": dict(labels),
-            "topics": sum(r["topics"] for r in rows), "event_seconds": sum(r["event_seconds"] for r in rows),
-            "topic_seconds": sum(r["topic_seconds"] for r in rows), "thresholds": rows[0]["thresholds"] if rows else "",
-            "paper": PAPER}
+    summed = totals(rows)
+    summed.pop("merged")
+    return {**summed, "words_per_event": statistics.mean(words), "paper": PAPER}
 
 
 def _ms(values: list[float]) -> dict[str, float]:

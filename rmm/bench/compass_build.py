@@ -109,6 +109,25 @@ def build_both(dataset: Any, user: str, encoder: Any, folder: Path) -> dict[str,
             "topic_seconds": topic_seconds, "thresholds": builder.thresholds.source, "event_words": words}
 
 
+def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The conversations' `build_both` rows summed: structure per session and per event, topics,
+    merges and build seconds of both banks."""
+    sessions = sum(r["sessions"] for r in rows)
+    events = sum(r["events"] for r in rows)
+    turns = [t for r in rows for t in r["turns_per_event"]]
+    labels: Counter[str] = Counter()
+    for r in rows:
+        labels.update(r["labels"])
+    return {"conversations": len(rows), "sessions": sessions, "events": events,
+            "events_per_session": events / sessions, "turns_per_event": statistics.mean(turns),
+            "turns_per_event_median": statistics.median(turns), "edges_per_event": sum(labels.values()) / events,
+            "labels": dict(labels), "topics": sum(r["topics"] for r in rows),
+            "merged": sum(r["merged"] for r in rows),
+            "event_seconds": sum(r["event_seconds"] for r in rows),
+            "topic_seconds": sum(r["topic_seconds"] for r in rows),
+            "thresholds": rows[0]["thresholds"] if rows else ""}
+
+
 def build(args: argparse.Namespace) -> int:
     from rmm.eval.benchmark_bank import passage_cache
 
@@ -127,23 +146,11 @@ def build(args: argparse.Namespace) -> int:
             print(f"{user:<9}{row['sessions']:>9}{row['events']:>8}{row['events'] / row['sessions']:>8.1f}"
                   f"{statistics.mean(turns):>9.1f}{row['edges'] / max(row['events'], 1):>9.2f}{row['topics']:>7}"
                   f"{row['merged']:>7}{event_seconds:>9.1f}{topic_seconds:>9.1f}", flush=True)
-    sessions = sum(r["sessions"] for r in rows)
-    events = sum(r["events"] for r in rows)
-    turns = [t for r in rows for t in r["turns_per_event"]]
-    labels: Counter[str] = Counter()
-    for r in rows:
-        labels.update(r["labels"])
-    total = {"conversations": len(rows), "sessions": sessions, "events": events,
-             "events_per_session": events / sessions, "turns_per_event": statistics.mean(turns),
-             "turns_per_event_median": statistics.median(turns), "edges_per_event": sum(labels.values()) / events,
-             "labels": dict(labels), "topics": sum(r["topics"] for r in rows),
-             "merged": sum(r["merged"] for r in rows),
-             "event_seconds": sum(r["event_seconds"] for r in rows),
-             "topic_seconds": sum(r["topic_seconds"] for r in rows), "threads": args.threads,
-             "thresholds": rows[0]["thresholds"] if rows else ""}
+    total = {**totals(rows), "threads": args.threads}
+    sessions, events, labels = total["sessions"], total["events"], total["labels"]
     print(f"total: {events} events over {sessions} sessions = {total['events_per_session']:.1f} per session "
           f"(paper: 6-10 asked); {total['turns_per_event']:.1f} turns per event (median "
-          f"{total['turns_per_event_median']:g}); {total['edges_per_event']:.2f} out-edges per event {dict(labels)}; "
+          f"{total['turns_per_event_median']:g}); {total['edges_per_event']:.2f} out-edges per event {labels}; "
           f"{total['topics']} topics; {total['merged']} merges; build {total['event_seconds']:.1f} s "
           f"vs topic bank {total['topic_seconds']:.1f} s")
     print(f"thresholds: {total['thresholds']}")
