@@ -51,7 +51,7 @@ import torch
 from rmm.errors import RmmError
 from rmm.frontends.xpath_trace import QueryAttempt, StepRecord, XPathTrace
 from rmm.memory.tree import Schema, TreeNode, induce_schema
-from rmm.memory.xpath_exec import Execution, Scorer, TreeView, execute
+from rmm.memory.xpath_exec import Execution, Scorer, TreeView, ViewCache, execute
 from rmm.memory.xpath_scorers import CosineScorer
 from rmm.memory.xpath_syntax import Aggregate, AggregateFunction, Axis, Local, Query, QuerySyntaxError, Step, parse
 from rmm.policy.xpath_scorer import RerankerScorer
@@ -195,6 +195,7 @@ class XPathFrontend:
         self.tree = BankTree(agent.bank)
         self.tree.attach(agent.reflector)
         self._synced: dict[str, int] = {}  # user → store generation the tree was last synced at
+        self.views = ViewCache(agent.bank.store)  # read and built again only when the user's generation moves
 
     def scorer(self, user: str) -> Scorer:
         """The local matches' scorer: given, or the config's over the agent's encoder (and reranker)."""
@@ -253,7 +254,7 @@ class XPathFrontend:
     def query(self, user: str, question: str, trace: XPathTrace) -> Execution | None:
         """Write (LLM, one retry, template) and run the question's query over the user's tree as it is
         now; the attempts, the query and its steps go into `trace`. None: the tree shows no memory."""
-        view = TreeView.from_store(self.agent.bank.store, user)
+        view = self.views.get(user)
         nodes = [n for n in view.nodes if n is not None]
         schema = induce_schema(nodes)
         trace.schema = schema.describe()
