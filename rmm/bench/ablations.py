@@ -137,11 +137,6 @@ def row_command(args: argparse.Namespace, spec: str) -> str:
     return shlex.join(argv)
 
 
-def _turns_at_m(scorer: GoldScorer, refs: list[list[str]], q: Any, m: int) -> dict[str, float]:
-    """R@T (`recall_turns@T`) of the M memories shown, as `rmm train` reads it."""
-    return scorer.turn_budgets(refs[:m], q)
-
-
 def prequential(trainer: CountingTrainer) -> dict[str, Any]:
     """The run's training-stream figures (headline questions: the dataset's separate categories excluded)."""
     cfg, separate = trainer.cfg, set(SEPARATE_CATEGORIES.get(trainer.dataset.name, ()))
@@ -176,7 +171,7 @@ def heldout_table(trainer: CountingTrainer) -> dict[str, dict[str, Any]]:
         for name, order in orders.items():
             refs = [trainer.refs[cand.memory_ids[i]] for i in order]
             rows[name] = trainer.scorer.score(refs, q, ks, budgets=())
-            rows[name].update(_turns_at_m(trainer.scorer, refs, q, cfg.eval_k))
+            rows[name].update(trainer.scorer.turn_budgets(refs[: cfg.eval_k], q))  # R@T of the M shown
         pair = (rows["base"], rows["reranked"])
         groups.setdefault(f"category {q.category}", []).append(pair)
         if q.category not in separate:
@@ -210,7 +205,7 @@ def alone_table(dataset: Any, retriever: Any, cfg: OnlineConfig) -> dict[str, di
         for q, cand in zip(qs, retriever.search([q.text for q in qs], user, k)):
             shown = [refs[mid] for mid in cand.memory_ids]
             row = scorer.score(shown, q, sorted({m, k}), budgets=())
-            row.update(_turns_at_m(scorer, shown, q, m))
+            row.update(scorer.turn_budgets(shown[:m], q))  # R@T of the M shown
             groups.setdefault(f"category {q.category}", []).append(row)
             if q.category not in separate:
                 groups.setdefault("headline", []).append(row)
