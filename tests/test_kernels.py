@@ -339,6 +339,132 @@ def test_kernel_seed_from_generator_is_repeatable() -> None:
     assert torch.equal(a.indices, b.indices) and torch.equal(a.noise, b.noise)
 
 
+# ---- kernel configurations (issue 38): every one the autotuner may choose gives the same answer ----
+def _direct(queries, bank, ids, m, tau, *, explore, seed, config):
+    """The kernel with one forced configuration, next to the torch reference on the same inputs."""
+    from rmm.kernels.triton_rerank import rerank_triton
+
+    got = rerank_triton(queries, bank, ids, m, tau, explore=explore, seed=seed, config=config)
+    ref = rerank_reference(queries, bank, ids, m, tau, explore=explore, seed=seed)
+    return got, ref
+
+
+def _assert_same(got, ref, explore: bool) -> None:
+    assert torch.equal(got.indices.cpu(), ref.indices.cpu()), (got.indices, ref.indices)
+    finite = torch.isfinite(ref.scores)
+    assert torch.equal(torch.isfinite(got.scores).cpu(), finite.cpu())
+    torch.testing.assert_close(got.scores[finite], ref.scores[finite], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.logp, ref.logp, rtol=1e-5, atol=1e-4)
+    if explore:
+        torch.testing.assert_close(got.noise, ref.noise, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(40, 48), (12, 8)], ids=lambda s: f"K{s[0]}d{s[1]}")
+def test_kernel_every_candidate_config_matches_reference(shape) -> None:
+    """K 40 → BLOCK_K 64: chunks of 8/16/32 leave a partial last chunk; d 48 a partial column block."""
+    from rmm.kernels.triton_rerank import RerankConfig, candidate_configs
+
+    k, dim = shape
+    queries, bank, ids = make_problem(2, k, dim, 60, seed=5, pad={1: 11}, device=KERNEL_DEVICE)
+    extra = [RerankConfig(8, 16, 4, 1), RerankConfig(16, 32, 4, 2), RerankConfig(256, 16, 8, 1),
+             RerankConfig(16, 16, 4, 1, True), RerankConfig(256, 32, 8, 1, True)]  # several unrolled blocks
+    configs = candidate_configs(k, dim) + extra
+    assert len(configs) >= 4
+    for i, config in enumerate(configs):
+        # exploring checks scores, noise, picks and log π; greedy shares all but the keys
+        for explore in (True, False) if i in (0, len(configs) - 1) else (True,):
+            got, ref = _direct(queries, bank, ids, 6, 0.7, explore=explore, seed=2**33 + 5, config=config)
+            _assert_same(got, ref, explore)
+
+
+@needs_kernel
+def test_kernel_one_chunk_and_many_chunks_agree_with_ties_and_padding() -> None:
+    """CHUNK_K == BLOCK_K (scores in registers) and CHUNK_K 8 (read back) pick alike, ties included."""
+    from rmm.kernels.triton_rerank import RerankConfig
+
+    q = torch.ones(2, 4, device=KERNEL_DEVICE)
+    bank = torch.tensor([[1.0, 0, 0, 0], [2.0, 0, 0, 0], [-1.0, 0, 0, 0]], device=KERNEL_DEVICE)
+    ids = torch.tensor([[0, 1, 0, 1, -1, 2, 1, 0, 2, 2, 1, -1], [-1] * 12], device=KERNEL_DEVICE)
+    results = []
+    for config in (RerankConfig(16, 16, 4, 1), RerankConfig(8, 16, 4, 1), RerankConfig(4, 16, 4, 1)):
+        got, ref = _direct(q, bank, ids, 12, 1.0, explore=False, seed=0, config=config)
+        _assert_same(got, ref, explore=False)
+        results.append(got.indices.cpu())
+    assert results[0][0, :4].tolist() == [1, 3, 6, 10] and (results[0][1] == -1).all()
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+@needs_kernel
+def test_kernel_config_rejects_non_powers_of_two() -> None:
+    from rmm.kernels.triton_rerank import RerankConfig, rerank_triton
+
+    queries, bank, ids = make_problem(1, 8, 8, 10, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="powers of two"):
+        rerank_triton(queries, bank, ids, 2, 0.5, explore=False, seed=0, config=RerankConfig(6, 16, 4, 1))
+
+
+@needs_kernel
+def test_candidate_configs_fit_registers_and_clamp_to_the_problem() -> None:
+    from rmm.kernels.triton_rerank import MAX_TILE, RerankConfig, _fits, _legacy, candidate_configs
+
+    big = candidate_configs(200, 768)
+    assert len(big) == len(set(big)) >= 8
+    for c in big:
+        assert c.chunk_k <= 256 and c.block_d <= 1024 and c.chunk_k * c.block_d <= MAX_TILE
+        assert c.chunk_k * c.block_d <= 64 * 32 * c.num_warps
+        if c.unroll_d:  # the chunk's whole [CHUNK_K, d] block: at most 128 values a thread
+            assert c.chunk_k * c.block_d * -(-768 // c.block_d) <= 128 * 32 * c.num_warps
+    assert not _fits(RerankConfig(32, 256, 4, 3, True), 1024) and _fits(RerankConfig(32, 256, 4, 3), 1024)
+    assert _legacy(256, 768) in big  # the pre-autotune shape stays a candidate: never slower than before
+    assert any(c.chunk_k < 256 and c.block_d == 256 for c in big)  # long contiguous reads are tried
+    small = candidate_configs(20, 64)
+    assert all(c.chunk_k <= 32 and c.block_d <= 64 for c in small) and len(small) == len(set(small))
+    assert {c.block_d for c in candidate_configs(3, 5)} == {16}
+
+
+@needs_kernel
+def test_autotuner_is_keyed_on_k_d_and_batch_class_and_prunes_per_shape() -> None:
+    """Built here without a GPU: triton checks the key names; the pruning hook gets triton's call."""
+    from rmm.kernels.triton_rerank import _tuned_kernel, batch_class, candidate_configs
+
+    assert [batch_class(b) for b in (1, 63, 64, 511, 512, 1024)] == [0, 0, 1, 1, 2, 2]
+    tuned = _tuned_kernel()
+    assert tuned.keys == ["K", "D", "batch_class"]
+    assert {"K", "D", "batch_class"} <= set(tuned.arg_names)
+    tuned.nargs = {"K": 200, "D": 768, "batch_class": 2}
+    try:
+        pruned = tuned.prune_configs({"EXPLORE": True, "BLOCK_K": 256})
+    finally:
+        tuned.nargs = None
+    got = [(c.kwargs["CHUNK_K"], c.kwargs["BLOCK_D"], c.kwargs["D_STATIC"], c.num_warps, c.num_stages)
+           for c in pruned]
+    expected = [(c.chunk_k, c.block_d, 768 if c.unroll_d else 0, c.num_warps, c.num_stages)
+                for c in candidate_configs(200, 768)]
+    assert got == expected and any(c.unroll_d for c in candidate_configs(200, 768))
+
+
+@needs_kernel
+def test_chosen_config_is_recorded_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    from rmm.kernels import triton_rerank as tr
+
+    queries, bank, ids = make_problem(2, 24, 20, 30, device=KERNEL_DEVICE)
+    with caplog.at_level("DEBUG", logger=tr.__name__):
+        for _ in range(2):
+            rerank(queries, bank, ids, 3, 0.5, seed=1, explore=True, backend="triton")
+    expected = tr._clamp(tr.INTERPRET_CONFIG, 32, 20) if tr._TUNED is None else None
+    chosen = tr.config_for(2, 24, 20, queries.dtype)
+    assert chosen is not None and (expected is None or chosen == expected)
+    assert tr.chosen_configs()[(0, 24, 20, "float32")] == chosen
+    assert tr.config_for(1024, 24, 20, queries.dtype) is None  # another batch class: not launched
+    forced = tr.RerankConfig(16, 16, 4, 1)
+    assert forced != chosen
+    tr.rerank_triton(queries, bank, ids, 3, 0.5, explore=False, seed=0, config=forced)
+    assert tr.config_for(2, 24, 20, queries.dtype) == chosen  # a forced config is not the kernel's choice
+    lines = [r for r in caplog.records if "K=24, d=20" in r.getMessage()]
+    assert len(lines) == 1 and str(chosen) in lines[0].getMessage()
+
+
 # ---- CUDA only: real sizes, half-precision banks, the reranker through dispatch ---------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="needs a CUDA device")
@@ -355,6 +481,25 @@ def test_gpu_kernel_matches_reference_at_serving_sizes(dtype: torch.dtype) -> No
         # near-ties may swap under different summation orders: compare the picked keys instead
         agree = (got.indices == ref.indices).float().mean().item()
         assert agree > 0.98, agree
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="needs a CUDA device")
+def test_gpu_every_candidate_config_at_serving_size_and_autotuned_choice() -> None:
+    """Compiled on the GPU: each configuration the autotuner may pick agrees with the reference."""
+    from rmm.kernels.triton_rerank import candidate_configs, config_for, rerank_triton
+
+    queries, bank, ids = make_problem(64, 200, 768, 5000, seed=2, pad={5: 120}, device="cuda", dtype=torch.bfloat16)
+    ref = rerank_reference(queries, bank, ids, 5, 0.5, explore=True, seed=9)
+    finite = torch.isfinite(ref.scores)
+    for config in candidate_configs(200, 768):
+        got = rerank_triton(queries, bank, ids, 5, 0.5, explore=True, seed=9, config=config)
+        torch.testing.assert_close(got.scores[finite], ref.scores[finite], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got.noise, ref.noise)
+        assert (got.indices == ref.indices).float().mean().item() > 0.98, config
+    tuned = rerank_triton(queries, bank, ids, 5, 0.5, explore=True, seed=9)
+    assert config_for(64, 200, 768, torch.bfloat16) in candidate_configs(200, 768)
+    assert (tuned.indices == ref.indices).float().mean().item() > 0.98
 
 
 @pytest.mark.gpu

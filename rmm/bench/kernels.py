@@ -115,6 +115,11 @@ def bench_rerank(device: torch.device, dtype: torch.dtype, bank_size: int, repea
                     fused = lambda: rerank(queries, bank, ids, 5, 0.5, seed=1, explore=True, backend="triton")
                     row["triton_ms"] = 1e3 * time_call(fused, device, repeats)
                     row["speedup"] = row["torch_ms"] / row["triton_ms"]
+                    # the launch configuration the autotuner chose on this GPU for this shape
+                    from rmm.kernels.triton_rerank import config_for
+
+                    chosen = config_for(batch, k, dim, dtype)
+                    row["triton_config"] = str(chosen) if chosen is not None else None
                     a = rerank(queries, bank, ids, 5, 0.5, explore=False, backend="torch")
                     b = rerank(queries, bank, ids, 5, 0.5, explore=False, backend="triton")
                     row["first_pick_agreement"] = (a.indices[:, 0] == b.indices[:, 0]).float().mean().item()
@@ -165,10 +170,11 @@ def markdown(report: dict[str, Any]) -> str:
              f"Device copy bandwidth (read + write, measured in this run): {report['copy_GBps']:.0f} GB/s by the "
              f"host clock, {_figure(report.get('copy_kernel_GBps'), '.0f')} GB/s by the GPU's.", "",
              "Per call: host clock (launch + synchronisation included, what a caller waits); kernel: the GPU's "
-             "own time (profiler), each against the copy bandwidth by the same clock.", "",
+             "own time (profiler), each against the copy bandwidth by the same clock. Triton config: "
+             "CHUNK_K × BLOCK_D (u: d unrolled) / warps, stages, as the autotuner chose on this GPU.", "",
              "| B | K | d | torch eager (ms) | Triton (ms) | speed-up | Triton GB/s | of copy | "
-             "kernel (ms) | kernel GB/s | of copy | same greedy 1st pick |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "kernel (ms) | kernel GB/s | of copy | same greedy 1st pick | Triton config |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|:--|"]
     for r in report["rerank"]:
         agree = f"{100 * r['first_pick_agreement']:.1f}%" if "first_pick_agreement" in r else "—"
         lines.append(
@@ -176,7 +182,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_figure(r.get('speedup'), '.1f', '×')} | {_figure(r.get('triton_GBps'), '.0f')} | "
             f"{_share(r.get('triton_GBps'), report['copy_GBps'])} | {_figure(r.get('triton_kernel_ms'), '.3f')} | "
             f"{_figure(r.get('triton_kernel_GBps'), '.0f')} | "
-            f"{_share(r.get('triton_kernel_GBps'), report.get('copy_kernel_GBps'))} | {agree} |")
+            f"{_share(r.get('triton_kernel_GBps'), report.get('copy_kernel_GBps'))} | {agree} | "
+            f"{r.get('triton_config') or '—'} |")
     enc = report.get("encoder")
     if enc:
         lines += ["", f"Encoder: {enc['model']} in {enc['dtype']}, batch {enc['batch_size']}: "
