@@ -7,9 +7,10 @@
 # Sections, in order: environment; `pytest -m gpu`; the Triton rerank kernel vs torch eager
 # (rmm.bench.kernels); pretraining throughput vs sentence-transformers' trainer, Contriever
 # architecture, batch 32 + 1 hard negative, bf16, rmm in two transformer passes a step and in one
-# (merge_passes candidates, all), after a warm-up round (rmm.bench.pretrain); the encoder vs
-# sentence-transformers, bf16, batch 256, for the MiniLM and BERT-base (Contriever) architectures
-# (rmm.bench.encode); `rmm train` and `rmm pretrain` (1 epoch of contriever-a100.yaml) on CUDA with
+# (merge_passes candidates, all), each eager and from CUDA graphs, after a warm-up round, then each
+# rmm side once more under the torch profiler (top operations by host and GPU time)
+# (rmm.bench.pretrain); the encoder vs sentence-transformers, bf16, batch 256, for the MiniLM and
+# BERT-base (Contriever) architectures, rmm eager and from CUDA graphs (rmm.bench.encode); `rmm train` and `rmm pretrain` (1 epoch of contriever-a100.yaml) on CUDA with
 # wall time and peak GPU memory (rmm.bench.cuda_peak); batched retrieval through `rmm serve` on CUDA,
 # req/s and p99 (rmm.bench.serve).
 #
@@ -132,9 +133,9 @@ contriever_model=(--model "$contriever")
 
 step tests "GPU-marked tests" "$py" -m pytest -q -m gpu -rs -p no:cacheprovider tests/
 step kernels "Triton rerank kernel vs torch eager" "$py" -m rmm.bench.kernels --device cuda --out "$work/kernels.json" --markdown "$work/kernels.md"
-step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16; rmm with candidates sharing a pass (the CUDA default) and with one pass a step" "$py" -m rmm.bench.pretrain --device cuda --steps 30 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --merge-passes candidates all "${contriever_model[@]}"
-step encode-minilm "encoder vs sentence-transformers: MiniLM-L6 ($minilm_note)" "$py" -m rmm.bench.encode --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${minilm_args[@]}"
-step encode-contriever "encoder vs sentence-transformers: BERT-base ($contriever_note)" "$py" -m rmm.bench.encode --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 "${contriever_model[@]}"
+step pretrain-bench "pretraining vs sentence-transformers: BERT-base ($contriever_note), batch 32 + 1 hard negative, bf16; rmm with candidates sharing a pass (the CUDA default) and with one pass a step, each eager and from CUDA graphs" "$py" -m rmm.bench.pretrain --device cuda --steps 20 --rounds 2 --batch-size 32 --max-length 256 --hard-negatives 1 --merge-passes candidates all --cuda-graphs off on --profile 12 "${contriever_model[@]}"
+step encode-minilm "encoder vs sentence-transformers: MiniLM-L6 ($minilm_note)" "$py" -m rmm.bench.encode --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --cuda-graphs "${minilm_args[@]}"
+step encode-contriever "encoder vs sentence-transformers: BERT-base ($contriever_note)" "$py" -m rmm.bench.encode --device cuda --dtype bfloat16 --batch-size 256 --repeats 5 --cuda-graphs "${contriever_model[@]}"
 step train "rmm train on CUDA (BERT-base, simulated citations)" "$py" -m rmm.bench.cuda_peak -- train --retriever "$contriever" --device cuda
 step pretrain "rmm pretrain, 1 epoch of configs/pretrain/contriever-a100.yaml on CUDA" "$py" -m rmm.bench.cuda_peak -- pretrain --config configs/pretrain/contriever-a100.yaml epochs=1 "encoder=$contriever" "output_dir=$work/pretrain-run" progress=false
 step serve "batched retrieval through rmm serve on CUDA (MiniLM bank)" "$py" -m rmm.bench.serve --device cuda --clients 1 32 --duration 6 --modes on off
@@ -181,7 +182,7 @@ mkdir -p "$(dirname "$report")"
       cat "$work/kernels.md"
     else
       echo '```'
-      grep -v -e 'it/s]' -e '^Loading weights' -e '^Writing model' "$work/$name.log" | tail -25
+      grep -v -e 'it/s]' -e '^Loading weights' -e '^Writing model' "$work/$name.log" | tail -150
       echo '```'
     fi
   done < "$work/sections.tsv"

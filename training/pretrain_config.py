@@ -70,6 +70,10 @@ class PretrainConfig:
     num_workers: int = 0  # DataLoader worker processes for collation (batches are pre-tokenised)
     fused_adamw: bool = True  # AdamW's fused kernel (CPU/CUDA; off under 16-mixed, see module.py)
     torch_compile: bool = False  # compile the transformer (dynamic shapes); pays off on long GPU runs
+    # replay each transformer pass (forward and backward) from a CUDA graph, passes padded to length
+    # buckets (training/pretrain/graphs.py): a step's host cost no longer grows with the model's depth;
+    # one CUDA device, not with torch_compile, gradient_checkpointing or 16-mixed
+    cuda_graphs: bool = False
     # transformer passes a step: "none" (queries, positives, hard negatives each their own),
     # "candidates" (positives + hard negatives share one, as sentence-transformers ≥ 6 does), "all"
     # (one pass). Fewer passes = fewer kernel launches, which bound a GPU step at batch 32; more
@@ -122,6 +126,13 @@ class PretrainConfig:
                                       "16-mixed, bf16-true")
         if self.merge_passes not in MERGE_PASSES:
             raise PretrainConfigError(f"merge_passes must be one of {', '.join(MERGE_PASSES)}, got {self.merge_passes!r}")
+        if self.cuda_graphs:
+            clash = [name for name, on in (("torch_compile", self.torch_compile),
+                                           ("gradient_checkpointing", self.gradient_checkpointing),
+                                           ("precision 16-mixed", self.precision == "16-mixed"),
+                                           ("accelerator cpu", self.accelerator == "cpu")) if on]
+            if clash:
+                raise PretrainConfigError(f"cuda_graphs does not combine with {', '.join(clash)}")
         if self.num_workers < 0:
             raise PretrainConfigError(f"num_workers must be an integer ≥ 0, got {self.num_workers!r}")
         if not self.eval_ks or any(not isinstance(k, int) or k < 1 for k in self.eval_ks):

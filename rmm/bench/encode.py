@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per encoder (best is reported)")
     parser.add_argument("--device", type=str, default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="also time rmm with its forward replayed from CUDA graphs (load_encoder(cuda_graphs=True))")
     parser.add_argument("--ablation", action="store_true",
                         help="also time rmm with oneDNN linears off (length sorting alone)")
     args = parser.parse_args(argv)
@@ -144,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {torch.__version__}")
 
     def run_st():
-        return st_model.encode(texts, batch_size=args.batch_size, convert_to_tensor=True, show_progress_bar=False)
+        out = st_model.encode(texts, batch_size=args.batch_size, convert_to_tensor=True, show_progress_bar=False)
+        if out.is_cuda:  # timed until the embeddings exist, as rmm's (returned on the CPU) are
+            torch.cuda.synchronize()
+        return out
 
     def run_ours():
         return ours.encode_passages(texts)
@@ -154,15 +159,28 @@ def main(argv: list[str] | None = None) -> int:
         plain = load_encoder(args.model, device=args.device, dtype="float32", batch_size=args.batch_size,
                              show_progress=False, max_length=st_model.max_seq_length, onednn=False)
 
+    graphed = None
+    if args.cuda_graphs:
+        if not args.device.startswith("cuda"):
+            parser.error("--cuda-graphs needs --device cuda")
+        graphed = load_encoder(args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
+                               show_progress=False, max_length=st_model.max_seq_length, cuda_graphs=True)
+
     warmup = texts[: min(len(texts), 4 * args.batch_size)]
     st_model.encode(warmup, batch_size=args.batch_size, show_progress_bar=False)
     ours.encode_passages(warmup)
     if plain is not None:
         plain.encode_passages(warmup)
+    if graphed is not None:  # every shape the timed runs will see, captured once (graphs are kept for good)
+        try:
+            graphed.encode_passages(texts)
+        except RuntimeError as err:  # a failed capture leaves the eager figures standing
+            print(f"rmm Encoder with CUDA graphs failed and is not timed: {err}")
+            graphed = None
 
     # interleave so drift in machine load hits every contender alike
-    st_times, our_times, plain_times = [], [], []
-    st_out = our_out = None
+    st_times, our_times, plain_times, graph_times = [], [], [], []
+    st_out = our_out = graph_out = None
     for _ in range(args.repeats):
         t, st_out, _ = timed(run_st, 1)
         st_times.append(t)
@@ -171,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         if plain is not None:
             t, _, _ = timed(lambda: plain.encode_passages(texts), 1)
             plain_times.append(t)
+        if graphed is not None:
+            t, graph_out, _ = timed(lambda: graphed.encode_passages(texts), 1)
+            graph_times.append(t)
     st_out = st_out.float().cpu()
     st_rate = len(texts) / min(st_times)
     our_rate = len(texts) / min(our_times)
@@ -183,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
               f"(runs: {', '.join(f'{t:.2f}s' for t in plain_times)})")
     print(f"ratio ours/ST: {our_rate / st_rate:.2f}  (median-run ratio "
           f"{statistics.median(st_times) / statistics.median(our_times):.2f})")
+    if graph_times:
+        graph_diff = (graph_out - st_out).abs().max().item()
+        print(f"rmm Encoder, CUDA graphs: {len(texts) / min(graph_times):8.1f} passages/s  "
+              f"(runs: {', '.join(f'{t:.2f}s' for t in graph_times)}; {graphed.graphs.captured} graphs)")
+        print(f"ratio ours with CUDA graphs/ST: {min(st_times) / min(graph_times):.2f}  (median-run ratio "
+              f"{statistics.median(st_times) / statistics.median(graph_times):.2f}); max abs diff to ST {graph_diff:.2e}")
     print(f"embeddings: max abs diff {diff:.2e}, min cosine {cosine:.6f}")
     scratch.cleanup()
     return 0

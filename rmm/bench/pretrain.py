@@ -80,22 +80,37 @@ def _rates(batches: list[list[int]], marks: list[tuple[float, float]]) -> Rate:
     return pairs / (marks[-1][0] - marks[0][0]), pairs / (marks[-1][1] - marks[0][1])
 
 
-def rmm_round(cfg, batches: list[list[int]], dataset, negatives: dict[int, list[str]]) -> Rate:
-    """Pairs/s of the Lightning module, with the trainer `rmm pretrain` builds, over `batches`."""
+def rmm_round(cfg, batches: list[list[int]], dataset, negatives: dict[int, list[str]],
+              built: dict | None = None, profile_rows: int = 0) -> Rate:
+    """Pairs/s of the Lightning module, with the trainer `rmm pretrain` builds, over `batches`.
+
+    `built` keeps the module and data of this side between rounds. CUDA graphs belong to one fit
+    (Lightning moves the weights off the GPU after it), so a `cuda_graphs` side runs its batches
+    twice in each fit and times the second pass: the captures are a cost per run of `rmm
+    pretrain`, not per step. `profile_rows` > 0 runs the round under the torch profiler and prints
+    that many of its top operations by host time and by GPU time."""
     import lightning as L
     from rmm.training.pretrain import build, make_trainer
 
-    module, data = build(cfg, dataset)
+    if built is not None and "module" in built:
+        module, data = built["module"], built["data"]
+    else:
+        module, data = build(cfg, dataset)
+        data.hard_negatives = negatives
+        data.pretokenize()  # as `setup` does in `rmm pretrain`
+        if built is not None:
+            built.update(module=module, data=data)
     module.train()
-    data.hard_negatives = negatives
-    data.pretokenize()  # as `setup` does in `rmm pretrain`
+
+    passes = 2 if cfg.cuda_graphs else 1
+    cfg = dataclasses.replace(cfg, max_steps=passes * len(batches))
 
     class FixedBatches(torch.utils.data.Sampler):
         def __iter__(self):
-            return iter(batches)
+            return iter(batches * passes)
 
         def __len__(self) -> int:
-            return len(batches)
+            return len(batches) * passes
 
     data.train_dataloader = lambda: torch.utils.data.DataLoader(  # type: ignore[method-assign]
         list(range(len(data.pairs["train"]))), batch_sampler=FixedBatches(),
@@ -107,8 +122,25 @@ def rmm_round(cfg, batches: list[list[int]], dataset, negatives: dict[int, list[
         def on_train_batch_end(self, trainer, *_args) -> None:
             marks.append(_mark())
 
-    make_trainer(cfg, [WallClock()]).fit(module, datamodule=data)
-    return _rates(batches, marks)
+        def on_train_end(self, trainer, pl_module) -> None:  # before teardown drops the graphs
+            if pl_module.graphed is not None and built is not None:
+                built["note"] = f"{pl_module.graphed.captured} CUDA graphs captured in a fit"
+
+    if profile_rows:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            make_trainer(cfg, [WallClock()]).fit(module, datamodule=data)
+        table = prof.key_averages()
+        print(f"profile, {len(batches)} steps (profiler on, so slower than the timed rounds); by host time:")
+        print(table.table(sort_by="self_cpu_time_total", row_limit=profile_rows))
+        if torch.cuda.is_available():
+            print("by GPU time:")
+            print(table.table(sort_by="self_device_time_total", row_limit=profile_rows))
+    else:
+        make_trainer(cfg, [WallClock()]).fit(module, datamodule=data)
+    return _rates(batches, marks[-len(batches):])
 
 
 def _st_model_and_loss(model_path: str, cfg, device: str):
@@ -316,6 +348,12 @@ def main() -> None:
     parser.add_argument("--merge-passes", choices=MERGE_PASSES, nargs="+", default=["auto"],
                         help="rmm sides: which texts share a transformer pass (PretrainConfig.merge_passes); "
                              "several values time one rmm side each against the same baseline")
+    parser.add_argument("--cuda-graphs", choices=("off", "on"), nargs="+", default=["off"],
+                        help="rmm sides with and/or without CUDA graphs (PretrainConfig.cuda_graphs; --device cuda); "
+                             "each value times one rmm side per --merge-passes value")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="after the timed rounds, one more round of each rmm side under the torch profiler: "
+                             "print its top ROWS operations by host and by GPU time")
     parser.add_argument("--warmup-rounds", type=int, default=None,
                         help="untimed rounds of every side first (default: 1 on CUDA, where a kernel's first "
                              "use of a shape is costly, 0 on CPU)")
@@ -329,6 +367,8 @@ def main() -> None:
         parser.error("--device cuda: torch sees no CUDA device here")
     if args.random_weights and args.model:
         parser.error("--model and --random-weights are alternatives")
+    if "on" in args.cuda_graphs and args.device != "cuda":
+        parser.error("--cuda-graphs on needs --device cuda")
     if args.threads:
         torch.set_num_threads(args.threads)
     missing = trainer_available()
@@ -379,25 +419,48 @@ def main() -> None:
     layouts = list(dict.fromkeys(resolve_merge_passes(dataclasses.replace(cfg, merge_passes=m))
                                  for m in args.merge_passes))
     warmups = args.warmup_rounds if args.warmup_rounds is not None else int(args.device == "cuda")
+    graphs = list(dict.fromkeys(g == "on" for g in args.cuda_graphs))
     print(f"{model_label}, {len(batches) - 1} timed steps (+1 warm-up) of {args.batch_size} LoCoMo (question, gold "
           f"turn) pairs + {args.hard_negatives} hard negative(s), max_length {args.max_length}, {precision}, "
-          f"{device_name}; rmm: merge_passes {', '.join(layouts)}; baseline: {label}; "
-          f"{warmups} untimed warm-up round(s)", flush=True)
+          f"{device_name}; rmm: merge_passes {', '.join(layouts)}, CUDA graphs {', '.join(args.cuda_graphs)}; "
+          f"baseline: {label}; {warmups} untimed warm-up round(s)", flush=True)
     st_name = "sentence-transformers"
+    rmm_sides = {(f"rmm ({m}{', graphs' if g else ''})"): dataclasses.replace(cfg, merge_passes=m, cuda_graphs=g)
+                 for m in layouts for g in graphs}
+    built: dict[str, dict] = {name: {} for name in rmm_sides}  # each rmm side's module, kept between rounds
     sides: dict[str, Callable[[], Rate]] = {
-        **{f"rmm ({m})": functools.partial(rmm_round, dataclasses.replace(cfg, merge_passes=m), batches, dataset,
-                                           negatives) for m in layouts},
+        **{name: functools.partial(rmm_round, side_cfg, batches, dataset, negatives, built[name])
+           for name, side_cfg in rmm_sides.items()},
         st_name: functools.partial(st_round, model_path, pairs, batches, cfg, args.device, negatives),
     }
+    failed: dict[str, str] = {}
+
+    def run_side(name: str) -> Rate | None:
+        """A round of one side; an rmm side that raises is reported and dropped, the others still timed
+        (the baseline's failure ends the benchmark)."""
+        if name == st_name:
+            return sides[name]()
+        try:
+            return sides[name]()
+        except Exception as err:  # noqa: BLE001 - any failure of one side (a capture, a kernel) is its result
+            import traceback
+
+            failed[name] = f"{type(err).__name__}: {err}"
+            print(f"{name} failed and is dropped: {failed[name]}\n{traceback.format_exc(limit=-6)}", flush=True)
+            return None
+
     for _ in range(warmups):  # every shape each side will see, once: first-use costs are not throughput
-        for run in sides.values():
-            run()
+        for name in sides:
+            if name not in failed:
+                run_side(name)
     rates: dict[str, list[Rate]] = {name: [] for name in sides}
-    names = list(sides)
+    names = [name for name in sides if name not in failed]
     for round_ in range(args.rounds):
         order = names[round_ % len(names):] + names[:round_ % len(names)]  # each side first in turn
         for name in order:
-            rates[name].append(sides[name]())
+            if (rate := run_side(name)) is not None:
+                rates[name].append(rate)
+        names = [name for name in names if name not in failed]
         figures = ", ".join(f"{name} {rates[name][-1][0]:.2f} pairs/s wall ({rates[name][-1][1]:.2f} per CPU-s)"
                             for name in names)
         ratios = ", ".join(f"{name} / {st_name} {rates[name][-1][0] / rates[st_name][-1][0]:.2f} wall "
@@ -410,6 +473,19 @@ def main() -> None:
             for name in names[:-1])
         print(f"{unit}: {medians} ({label}); median per-round ratio to sentence-transformers: {ratios} "
               f"(goal >= 1.0; {args.rounds} rounds)")
+    for name in rmm_sides:
+        if "note" in built[name]:
+            print(f"{name}: {built[name]['note']}")
+        if name in failed:
+            print(f"{name}: failed ({failed[name]})")
+    for name, side_cfg in rmm_sides.items():
+        if not args.profile or name in failed:
+            continue
+        print(f"== {name}", flush=True)
+        try:
+            rmm_round(side_cfg, batches, dataset, negatives, built[name], profile_rows=args.profile)
+        except RuntimeError as err:  # the profiler is an extra: its failure leaves the figures above standing
+            print(f"profile of {name} failed: {err}")
     shutil.rmtree(scratch, ignore_errors=True)
 
 

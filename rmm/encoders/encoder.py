@@ -23,6 +23,7 @@ from safetensors.torch import save_file as save_safetensors
 from torch import Tensor, nn
 
 from rmm.device import default_dtype, resolve_device
+from rmm.encoders.cuda_graphs import InferenceGraphs
 from rmm.encoders.passage_cache import PassageCache, token_key
 from rmm.encoders.pooling import EncoderError, check_pooling_mode, pool
 from rmm.errors import CorruptFileError, ModelNotFoundError
@@ -273,7 +274,9 @@ class Encoder:
     batch's padded size as well as `batch_size` its texts (None = `CPU_BATCH_TOKENS` on a CPU, no
     cap elsewhere). `passage_cache` (a `PassageCache`, off by default) answers queries and passages
     whose token ids (prefix included) it has seen; identical token sequences within one call are
-    always encoded once.
+    always encoded once. `cuda_graphs` (CUDA only) replays each batch's forward from a CUDA graph
+    (`rmm.encoders.cuda_graphs`), batches padded to a few shapes: the host's launch cost, not the
+    GPU, bounds short texts.
     """
 
     # whose data the weights were pretrained on (`load_encoder` reads it from the folder; None: unknown)
@@ -281,7 +284,7 @@ class Encoder:
 
     def __init__(self, config: EncoderConfig, device: str | torch.device = "auto",
                  dtype: str | torch.dtype = "auto", batch_size: int = 64, show_progress: bool | None = None,
-                 onednn: bool | None = None, max_batch_tokens: int | None = None) -> None:
+                 onednn: bool | None = None, max_batch_tokens: int | None = None, cuda_graphs: bool = False) -> None:
         if batch_size < 1:
             raise EncoderError(f"batch_size must be >= 1, got {batch_size}")
         if max_batch_tokens is not None and max_batch_tokens < 1:
@@ -327,6 +330,11 @@ class Encoder:
                 )
         self.dim = self.dense.out_features if self.dense is not None else int(self.model.config.hidden_size)
         self.fingerprint = self._compute_fingerprint()
+        self.graphs: InferenceGraphs | None = None
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise EncoderError(f"cuda_graphs needs a CUDA device; this encoder is on {self.device}")
+            self.graphs = InferenceGraphs(self.collate, self.embed, max_rows=batch_size, max_length=self.max_length)
 
     # ---------------------------------------------------------------- loading
 
@@ -409,9 +417,10 @@ class Encoder:
         # a tokenizer that adds no special tokens turns "" into no tokens at all; give it one
         return [ids if ids else [self.pad_token_id] for ids in encoded["input_ids"]]
 
-    def collate(self, sequences: Sequence[Sequence[int]]) -> dict[str, Tensor]:
-        """Pad token-id lists into model inputs on this encoder's device (its padding side)."""
-        longest = max(len(seq) for seq in sequences)
+    def collate(self, sequences: Sequence[Sequence[int]], length: int | None = None) -> dict[str, Tensor]:
+        """Pad token-id lists into model inputs on this encoder's device (its padding side), to the
+        longest of them or to `length` when that is longer (fixed shapes for CUDA graphs)."""
+        longest = max(max(len(seq) for seq in sequences), length or 0)
         pad = self.pad_token_id
         if self.padding_side == "left":
             ids = [[pad] * (longest - len(seq)) + list(seq) for seq in sequences]
@@ -489,7 +498,8 @@ class Encoder:
         chunks: list[Tensor] = []  # kept on the device until the end: no sync per batch on a GPU
         try:
             for batch in batches:
-                chunks.append(self.embed(self.collate([unique[i] for i in batch])))
+                sequences = [unique[i] for i in batch]
+                chunks.append(self.graphs(sequences) if self.graphs is not None else self.embed(self.collate(sequences)))
                 if progress is not None:
                     progress.update(len(batch))
         finally:

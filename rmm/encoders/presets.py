@@ -87,7 +87,7 @@ PRESETS: dict[str, Preset] = {
 }
 
 _CONFIG_FIELDS = {field.name for field in dataclasses.fields(EncoderConfig)}
-_ENCODER_OPTIONS = {"device", "dtype", "batch_size", "show_progress", "onednn", "max_batch_tokens"}
+_ENCODER_OPTIONS = {"device", "dtype", "batch_size", "show_progress", "onednn", "max_batch_tokens", "cuda_graphs"}
 
 
 def load_encoder(name_or_path: str | os.PathLike[str] = DEFAULT_ENCODER, **overrides: Any) -> Encoder:
@@ -96,7 +96,8 @@ def load_encoder(name_or_path: str | os.PathLike[str] = DEFAULT_ENCODER, **overr
     A folder `rmm pretrain` wrote carries its pretraining record (`Encoder.pretrained_on`: whose
     conversations trained it); any other folder and every preset has none.
     Overrides are EncoderConfig fields (`pooling`, `normalize`, `query_prefix`, `model_path`, …),
-    Encoder options (`device`, `dtype`, `batch_size`, `show_progress`, `onednn`, `max_batch_tokens`), or `task` (GTE only: the
+    Encoder options (`device`, `dtype`, `batch_size`, `show_progress`, `onednn`, `max_batch_tokens`,
+    `cuda_graphs`), or `task` (GTE only: the
     instruction in its query prefix).
     """
     unknown = set(overrides) - _CONFIG_FIELDS - _ENCODER_OPTIONS - {"task"}

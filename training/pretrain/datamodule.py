@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from rmm.encoders import Encoder
+from rmm.encoders.cuda_graphs import bucket_length
 from rmm.errors import DataError
 from rmm.training.pretrain.data import UserSplit, build_pairs, turn_texts
 from rmm.training.pretrain.mining import mine_hard_negatives
@@ -77,10 +78,14 @@ class PairDataModule(L.LightningDataModule):
         return [self._tokens[(prefix, t)] for t in texts]
 
     def _cpu_collate(self, sequences: list[list[int]]) -> dict[str, Tensor]:
+        """Padded to the pass's longest text, or to its length bucket under `cuda_graphs` (few shapes, few graphs)."""
         device = self.encoder.device
         self.encoder.device = torch.device("cpu")  # Lightning moves the batch to the model's device
+        length = None
+        if self.cfg.cuda_graphs:
+            length = bucket_length(max(len(s) for s in sequences), min(self.cfg.max_length, self.encoder.max_length))
         try:
-            return self.encoder.collate(sequences)
+            return self.encoder.collate(sequences, length=length)
         finally:
             self.encoder.device = device
 

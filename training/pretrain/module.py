@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from rmm.encoders import Encoder
 from rmm.errors import RmmError
+from rmm.training.pretrain.graphs import GraphedPasses
 from rmm.training.pretrain.loss import contrastive_loss
 from rmm.training.pretrain_config import PretrainConfig
 
@@ -104,6 +105,7 @@ class ContrastiveModule(L.LightningModule):
             self.dense.requires_grad_(True)
         init = math.log(1.0 / cfg.temperature)
         self.log_scale = nn.Parameter(torch.tensor(init), requires_grad=cfg.learnable_temperature)
+        self.graphed: GraphedPasses | None = None  # `cuda_graphs`: set up once the weights are on the GPU
 
     @property
     def scale(self) -> Tensor:
@@ -118,11 +120,25 @@ class ContrastiveModule(L.LightningModule):
         padded to their own longest text."""
         if self.cfg.torch_compile and getattr(self.model, "_compiled_call_impl", None) is None:
             self.model.compile(dynamic=True)
+        if self.cfg.cuda_graphs and self.graphed is None:
+            if self.trainer.world_size > 1:
+                raise RmmError("cuda_graphs: true trains on one device (graphs and DDP's gradient hooks do not mix)")
+            if self.device.type != "cuda":
+                raise RmmError(f"cuda_graphs: true needs the model on a CUDA device, not {self.device}")
+            precision = resolve_precision(self.cfg)
+            self.graphed = GraphedPasses(self.encoder, torch.bfloat16 if precision == "bf16-mixed" else None)
+
+    def teardown(self, stage: str) -> None:
+        """Graphs belong to one fit: Lightning moves the weights to the CPU after it, so a graph
+        captured over their GPU addresses would replay over freed memory in the next fit."""
+        self.graphed = None
 
     def batch_loss(self, batch: dict[str, Any]) -> Tensor:
         """InfoNCE of a `PairDataModule` batch: its passes embedded, then split into queries,
         positives and hard negatives by the batch's counts."""
-        embeddings = [self.embed(inputs) for inputs in batch["passes"]]
+        graphed = self.graphed if self.graphed is not None and self.training and torch.is_grad_enabled() else None
+        embeddings = [graphed(position, inputs) if graphed is not None else self.embed(inputs)
+                      for position, inputs in enumerate(batch["passes"])]
         rows = embeddings[0] if len(embeddings) == 1 else torch.cat(embeddings)
         queries, positives, negatives = rows.split(list(batch["counts"]))
         return contrastive_loss(queries, positives, negatives if len(negatives) else None, self.scale)
