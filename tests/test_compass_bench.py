@@ -4,6 +4,7 @@ learns from the search's sampled slates, the graph walk is timed, and the split 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from test_bm25_over_dense import fake_minilm  # noqa: F401 - every encoder name loads a bag of words, private cache
@@ -49,12 +50,12 @@ def test_search_rows_are_eval_controllers(events, policy: str) -> None:
 
 def test_trained_reranker_learns_from_the_searchs_sampled_slates(events) -> None:
     dataset, retriever = events
-    config = CompassConfig(policy="heuristic", threshold=0.0)
-    before = run_search("untrained", dataset, retriever, CompassConfig(policy="heuristic", threshold=0.0, answer=False))
+    # a slate of 5 (the tiny graph's pools hold fewer than the heuristic's default 20: nothing would be sampled)
+    config = CompassConfig(policy="heuristic", threshold=0.0, start_k=5)
+    before = run_search("untrained", dataset, retriever, replace(config, answer=False))
     learner, stats = train_reranker(dataset, retriever, config)
     assert stats["questions"] == len(scorable(dataset)) and stats["records"] > 0 and learner.stats.step > 0
-    after = run_search("learned", dataset, retriever, CompassConfig(policy="heuristic", threshold=0.0, answer=False),
-                       learner=learner)
+    after = run_search("learned", dataset, retriever, replace(config, answer=False), learner=learner)
     assert [r["id"] for r in after.rows] == [r["id"] for r in before.rows]
     assert learner.stats.records == stats["records"]  # reading with the trained reranker learns nothing more
 

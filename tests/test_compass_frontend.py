@@ -18,6 +18,7 @@ from fakes import BagOfWordsEncoder, ScriptedGoalLLM
 from plackett_luce_helpers import naive_pl_logp
 from rich.console import Console
 
+from rmm.bench.compass import FIRST_WALK
 from rmm.frontends.agent import Agent
 from rmm.frontends.compass import CompassConfig, CompassFrontend, CompassFrontendError
 from rmm.frontends.compass_trace import CompassTrace, table4
@@ -359,8 +360,10 @@ def test_greedy_choices_are_not_learned_from(bank: MemoryBank) -> None:
 
 # -- the heuristic and oracle policies ----------------------------------------------------------------
 def test_heuristic_policy_expands_best_first_while_the_score_clears_the_threshold(bank: MemoryBank) -> None:
+    """The walk as first written (FIRST_WALK: the reranker's score alone, keep order); the walk score,
+    look-ahead, seeds and diversified order are tests/test_compass_heuristic.py's."""
     llm = SimulatedLLM()
-    front = frontend(bank, llm, policy="heuristic", threshold=0.25, answer=False)
+    front = frontend(bank, llm, policy="heuristic", threshold=0.25, answer=False, **FIRST_WALK)
     trace = front.respond("melanie", "Jen recital cello sonatas Melanie", remember=False).trace
     assert llm.usage.calls == 0 and trace.calls == []
     scores = front._scores(front_question(front, trace), [s.node for s in trace.steps])
@@ -370,9 +373,9 @@ def test_heuristic_policy_expands_best_first_while_the_score_clears_the_threshol
     starts = [s.priority for s in trace.steps if s.path_length == 1]
     assert len(starts) == len(trace.localizations[0].start) and starts == sorted(starts, reverse=True)  # best first
     assert any(s.path_length == 2 for s in trace.steps)  # and on through the graph
-    assert frontend(bank, llm, policy="heuristic", threshold=0.25, node_budget=1, answer=False).respond(
+    assert frontend(bank, llm, policy="heuristic", threshold=0.25, node_budget=1, answer=False, **FIRST_WALK).respond(
         "melanie", "Jen recital cello sonatas Melanie").trace.stats()["kept_nodes"] == 1
-    assert frontend(bank, llm, policy="heuristic", threshold=2.0, answer=False).respond(
+    assert frontend(bank, llm, policy="heuristic", threshold=2.0, answer=False, **FIRST_WALK).respond(
         "melanie", "Jen recital cello sonatas Melanie").trace.kept == []
 
 

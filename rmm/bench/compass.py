@@ -3,11 +3,13 @@ retrieval at the same turn budget, the oracle ceiling, the reranker's lift insid
 graph step's CPU time, the build time and the graph's structure beside the paper's.
 
     python -m rmm.bench.compass --threads 1 [--retriever hybrid] [--threshold 0.3] [--json FILE]
+    python -m rmm.bench.compass --threads 1 --users train --no-learn --no-build   # tuning
 
 Users: `rmm train`'s shared-mode split (`rmm.training.splits.hold_out_users`, `--heldout 0.3
 --seed 0`): conv-30, conv-48 and conv-49 are held out and only read; the other seven are the
-training conversations (the heuristic's threshold 0.3 was chosen on them; the reranker of the
-"learned" rows is trained on their questions). Memories: the LLM-free fallback event graph
+training conversations (every setting of the heuristic walk was chosen on them, with `--users
+train`, which reads them instead of the held-out ones; the reranker of the "learned" rows is
+trained on their questions, so `--users train` runs without those rows). Memories: the LLM-free fallback event graph
 (`rmm eval --granularity event`) and the fallback topic bank (`--granularity topic`), the
 `--retriever` first stage (default `hybrid`: BM25 + MiniLM, fused). Every recall is R@T
 (`rmm.eval.metrics.recall_at_turns`, T = 15 and 25 dialogue turns), per LoCoMo category 1-4 and
@@ -18,8 +20,10 @@ Rows:
 * flat event / flat topic: one query, the first stage's ranking (as `rmm eval --granularity
   event topic` scores it);
 * direct / heuristic / oracle: `rmm eval-controller --frontend compass --policy P` — the search's
-  kept nodes in the order kept vs one direct reranked query with as many events (its rank order),
-  both cut at T turns; the reranker untrained (identity start), no learning;
+  kept nodes in the order it hands them to the responder vs one direct reranked query with as many
+  events (its rank order), both cut at T turns; the reranker untrained (identity start), no
+  learning; `--first-walk` adds the heuristic walk as first written (the reranker's score alone,
+  the paper's slate of 5 over 5 topics, keep order: `FIRST_WALK`);
 * learned: the reranker first trained online over the training conversations' questions (the
   heuristic search answering through the simulated citer, which cites shown nodes that hold gold
   turns with the paper's precision/recall; +1 / -1 per shown node of every sampled slate, as the
@@ -44,7 +48,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,10 @@ from rmm.types import Dataset, Question
 log = logging.getLogger(__name__)
 
 CATEGORIES: tuple[int, ...] = (1, 2, 3, 4)
+USERS: tuple[str, ...] = ("heldout", "train")
+# The heuristic walk as first written: the reranker's score alone, the paper's slate, the order kept.
+FIRST_WALK: dict[str, Any] = {"start_k": 5, "topics": 5, "seeds": 5, "lookahead": 0.0, "opener": 0.0,
+                              "diversity": None}
 PAPER = {"events_per_session": "6-10 (asked of the LLM)", "tokens_per_event": "~100 (App.: the chunk ablation's size)",
          "edges_per_event": "not reported"}
 
@@ -174,7 +182,7 @@ def train_reranker(dataset: Dataset, retriever: Any, config: CompassConfig, *, k
                    m: int = 5, limit: int | None = None) -> tuple[Any, dict[str, Any]]:
     """A reranker trained online by the search over `dataset`'s questions (the training conversations):
     the simulated citer answers from the kept nodes, each sampled slate learns from what it cites."""
-    from dataclasses import asdict, replace
+    from dataclasses import replace
 
     from rmm.frontends.agent import Agent
     from rmm.llm.simulated import SimulatedLLM, gold_evidence_oracle
@@ -250,7 +258,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dataset", default="locomo")
     parser.add_argument("--retriever", default="hybrid", help="first stage: hybrid (BM25 + MiniLM), minilm, …")
     parser.add_argument("--threshold", type=float, default=0.3,
-                        help="the heuristic's reranker-score threshold (0.3: chosen on the training conversations)")
+                        help="the heuristic's walk-score threshold (0.3: chosen on the training conversations)")
+    parser.add_argument("--users", choices=USERS, default="heldout",
+                        help="whose questions are read: heldout (the figures) or train (tuning; needs --no-learn)")
+    parser.add_argument("--first-walk", action="store_true",
+                        help="add the heuristic walk as first written (reranker score alone, keep order)")
     parser.add_argument("--heldout", type=float, default=0.3, help="rmm train's --heldout (users held out)")
     parser.add_argument("--seed", type=int, default=0, help="rmm train's --seed")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (timings assume 1)")
@@ -260,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="the first N questions of each set only (a smoke run)")
     parser.add_argument("--json", help="write every figure (and per-question rows) as JSON")
     args = parser.parse_args(argv)
+    if args.users == "train" and not args.no_learn:
+        parser.error("--users train reads the conversations the learned rows train on: add --no-learn")
 
     import torch
 
@@ -270,17 +284,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     dataset = load_dataset(args.dataset, download=False)
     train_users, held_users = split_users(dataset, args.heldout, args.seed)
-    held, train = subset(dataset, held_users), subset(dataset, train_users)
-    print(f"{dataset.name}: held out {', '.join(held_users)} ({len(scorable(held))} questions, categories 1-4); "
-          f"training {', '.join(train_users)}; first stage {args.retriever}; {args.threads} torch thread(s)")
+    train = subset(dataset, train_users)
+    read_users = held_users if args.users == "heldout" else train_users
+    held = subset(dataset, read_users)  # the questions read (the held-out ones unless --users train)
+    print(f"{dataset.name}: held out {', '.join(held_users)}; training {', '.join(train_users)}; reading the "
+          f"{'held-out' if args.users == 'heldout' else 'training'} conversations ({len(scorable(held))} questions, "
+          f"categories 1-4); first stage {args.retriever}; {args.threads} torch thread(s)")
     record: dict[str, Any] = {"dataset": dataset.name, "retriever": args.retriever, "heldout_users": held_users,
-                              "training_users": train_users, "threshold": args.threshold, "threads": args.threads}
+                              "training_users": train_users, "users": args.users, "threshold": args.threshold,
+                              "threads": args.threads}
 
     def opened(ds: Dataset, granularity: str, features: bool) -> Any:
         return open_retriever(args.retriever, ds, granularity, cache=args.cache_dir, device="cpu", progress=False,
                               candidate_features=features and LearnerConfig.candidate_features)
 
-    header = f"{'R@Tt (%) on held-out':<34}" + "".join(f"{c:>8}" for c in (*map(str, CATEGORIES), "all"))
+    header = f"{'R@Tt (%) on ' + ('held-out' if args.users == 'heldout' else 'training'):<34}" + "".join(f"{c:>8}" for c in (*map(str, CATEGORIES), "all"))
     flat = {g: flat_recall(held, opened(held, g, False).retriever, g, args.retriever) for g in ("event", "topic")}
     record["flat"] = flat
     events = opened(held, "event", True)
@@ -288,6 +306,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for policy in ("heuristic", "oracle"):
         runs[policy] = run_search(policy, held, events.retriever, CompassConfig(policy=policy, threshold=args.threshold,
                                                                                 answer=False), limit=args.limit)
+    if args.first_walk:
+        runs["first walk"] = run_search("first walk", held, events.retriever,
+                                        CompassConfig(policy="heuristic", threshold=args.threshold, answer=False,
+                                                      **FIRST_WALK), limit=args.limit)
+    record["configs"] = {"heuristic": asdict(CompassConfig(policy="heuristic", threshold=args.threshold)),
+                         "oracle": asdict(CompassConfig(policy="oracle"))}
     if not args.no_learn:
         train_events = opened(train, "event", True)
         learner, training = train_reranker(train, train_events.retriever,
@@ -303,6 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = {"flat topic (first stage)": flat["topic"][key], "flat event (first stage)": flat["event"][key],
                 "direct, reranked (untrained)": by_category(runs["heuristic"].rows, f"{key}_direct"),
                 f"heuristic search (t={args.threshold:g})": by_category(runs["heuristic"].rows, f"{key}_search")}
+        if "first walk" in runs:
+            rows["direct, as many as the first walk"] = by_category(runs["first walk"].rows, f"{key}_direct")
+            rows["heuristic, first walk"] = by_category(runs["first walk"].rows, f"{key}_search")
         if "learned" in runs:
             rows["direct, reranker trained"] = by_category(runs["learned"].rows, f"{key}_direct")
             rows["heuristic search, reranker trained"] = by_category(runs["learned"].rows, f"{key}_search")

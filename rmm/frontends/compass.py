@@ -22,13 +22,27 @@ learner with the behaviour log-probabilities recorded when it was drawn. What is
 learned from: the queue's order (greedy), a node with ≤ M unvisited neighbours (all shown), and
 every slate when the agent does not learn (greedy top-M).
 
-Policies: `llm` (the paper's agents); `heuristic` (no LLM: the question is the one sub-goal, the
-queue is ordered by the reranker's score for the query, a node is kept and its neighbours queued
-while that score clears `threshold`, best first, within `node_budget` kept nodes and `max_steps`
-visits; kept says nothing about usefulness there, so only the responder's citations reward it);
+Policies: `llm` (the paper's agents); `heuristic` (no LLM, below; kept says nothing about
+usefulness there, so only the responder's citations reward it);
 `oracle` (keeps exactly the visited nodes that hold a gold turn and queues every shown neighbour:
 the ceiling of the graph reachable from the slate within the budget; needs the question's gold
 turn ids, `respond(..., gold=...)`).
+
+The heuristic walk (every value chosen on LoCoMo's training conversations, `rmm.bench.compass
+--users train`): the question is the one sub-goal. A node's walk score is the reranker's score for
+the query plus `opener` when the node opens its session (no incoming `next` edge), 0 by default:
+LoCoMo's session openers carry the "since we last talked" news its multi-hop questions gather (28 %
+of their gold events, 12.5 % of all events), a prior of that benchmark's shape, not of memory, so it
+is an option, not the default; its priority adds `lookahead` × the best walk score among its neighbours (what expanding it reaches: a
+node inside a relevant stretch of conversation beats an isolated look-alike). The localization slate
+is the reranker's top-`start_k` of the pool (20; not diversified over topics: `topics` = the pool),
+the `seeds` best of its nodes whose walk score clears `threshold` start the walk; the queue pops by
+priority, a node is kept and its neighbours queued while its walk score clears `threshold`, within
+`node_budget` kept nodes and `max_steps` visits. The kept nodes are then ordered for the responder
+(and cut at a turn budget by the benchmarks) by maximal marginal relevance: priority − `diversity` ×
+the highest cosine to a node already placed (`diversity=None`: the order kept). `lookahead=0,
+opener=0, diversity=None, seeds=start_k=topics=5` is the walk as first written (reranker score
+alone, keep order).
 
 Malformed LLM output never crashes a question: an unreadable plan is asked once more, then the
 question is its own sub-goal; an unreadable start selection or explorer decision is asked once
@@ -51,6 +65,7 @@ from rmm.errors import RmmError
 from rmm.frontends.compass_trace import CompassTrace, LocalizationRecord, SlateRecord, StepRecord
 from rmm.frontends.rewards import reward_selections
 from rmm.frontends.trace import LLMCall
+from rmm.memory.graph import Edge
 from rmm.policy.citations import parse_citations
 from rmm.policy.retrieve import reranked
 from rmm.prompts.compass_search_parse import (
@@ -70,7 +85,7 @@ from rmm.prompts.compass_search_render import (
     start_messages,
 )
 from rmm.prompts.parse import PromptParseError
-from rmm.reflection.events import current_topics
+from rmm.reflection.events import NEXT, current_topics
 from rmm.types import Candidates, Memory, Selection, Turn
 
 if TYPE_CHECKING:
@@ -84,6 +99,8 @@ log = logging.getLogger(__name__)
 UNKNOWN = "I don't know."
 Policy = Literal["llm", "heuristic", "oracle"]
 POLICIES: tuple[str, ...] = ("llm", "heuristic", "oracle")
+PAPER_START_K, PAPER_TOPICS = 5, 5  # the paper's k and p (the llm and oracle policies' defaults)
+HEURISTIC_START_K = 20  # the heuristic's slate (its `seeds` best start the walk; training conversations)
 
 
 class CompassFrontendError(RmmError, ValueError):
@@ -94,14 +111,18 @@ class CompassFrontendError(RmmError, ValueError):
 class CompassConfig:
     policy: str = "llm"  # llm | heuristic | oracle (module docstring)
     pool: int = 50  # first-stage events per localization (paper: 50)
-    start_k: int = 5  # k: the localization slate, the reranker's M over the pool (paper: 5)
-    topics: int = 5  # p: the first distinct topics the pool is diversified over (paper: 5)
+    start_k: int | None = None  # k: the localization slate, the reranker's M over the pool (paper: 5; heuristic: 20)
+    topics: int | None = None  # p: the first distinct topics the pool is diversified over (paper: 5; heuristic: pool)
     slate: int = 5  # M: neighbours shown per node; a Gumbel top-M when more are unvisited
     explorers: int = 3  # nodes decided per batch, one generate call (paper: 3)
     max_steps: int = 24  # node visits (explorer decisions) per question
     node_budget: int = 15  # kept nodes per question
     refinements: int = 1  # refinement rounds (paper: 1)
-    threshold: float = 0.3  # heuristic: keep and expand while the reranker's score for the query clears it
+    threshold: float = 0.3  # heuristic: keep and expand while a node's walk score clears it
+    seeds: int = 10  # heuristic: start nodes, the best of the slate by priority (module docstring)
+    lookahead: float = 0.3  # heuristic: priority = walk score + lookahead × the best neighbour's walk score
+    opener: float = 0.0  # heuristic: walk score = the reranker's score + opener for a session-opening event
+    diversity: float | None = 0.2  # heuristic: MMR weight ordering the kept nodes; None: the order kept
     retries: int = 1  # one more ask for an unreadable reply before falling back
     answer: bool = True  # False: search only (retrieval evaluation), no responder call
     plan_tokens: int = 160
@@ -113,8 +134,14 @@ class CompassConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
-        for name in ("pool", "start_k", "topics", "slate", "explorers", "max_steps", "node_budget", "plan_tokens",
-                     "start_tokens", "action_tokens", "refine_tokens", "answer_tokens"):
+        heuristic = self.policy == "heuristic"
+        pool = self.pool if isinstance(self.pool, int) else 0
+        if self.start_k is None:  # the policy's default (the heuristic's chosen on the training conversations)
+            self.start_k = min(HEURISTIC_START_K, pool) if heuristic else PAPER_START_K
+        if self.topics is None:
+            self.topics = max(pool, 1) if heuristic else PAPER_TOPICS
+        for name in ("pool", "start_k", "topics", "slate", "explorers", "max_steps", "node_budget", "seeds",
+                     "plan_tokens", "start_tokens", "action_tokens", "refine_tokens", "answer_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -126,6 +153,12 @@ class CompassConfig:
             raise ValueError(f"cannot show start_k={self.start_k} nodes out of a pool of {self.pool}")
         if not isinstance(self.threshold, (int, float)) or self.threshold != self.threshold:
             raise ValueError(f"threshold must be a number, got {self.threshold!r}")
+        for name in ("lookahead", "opener", "diversity"):
+            value = getattr(self, name)
+            if value is None and name == "diversity":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     @property
     def uses_llm(self) -> bool:
@@ -163,6 +196,8 @@ class _Question:
     query_vector: torch.Tensor | None = None  # the current query's embedding as the first stage gave it
     satisfied: list[bool] = field(default_factory=list)
     pool_scores: dict[str, float] = field(default_factory=dict)  # the reranker's scores of the pools' candidates
+    edges: dict[str, list[Edge]] = field(default_factory=dict)  # each node's edges (both directions), read once
+    walk_priorities: dict[str, float] = field(default_factory=dict)  # the heuristic's, for the current query
     queue: dict[str, _Queued] = field(default_factory=dict)
     visited: set[str] = field(default_factory=set)
     kept: list[str] = field(default_factory=list)
@@ -238,6 +273,8 @@ class CompassFrontend:
             self._explore(q)
             if all(q.satisfied) or q.stopped:
                 break
+        if config.policy == "heuristic" and config.diversity is not None:
+            q.kept = self._diversified(q, q.kept)
         trace = q.trace
         if all(q.satisfied):
             trace.outcome, trace.stop_reason = "satisfied", "every sub-goal is satisfied"
@@ -293,6 +330,7 @@ class CompassFrontend:
         if len(pool):  # the full score (lexical and candidate features too) where the first stage gave them
             scored = reranked(self.agent.learner(q.user).reranker, pool)
             q.pool_scores = dict(zip(scored.memory_ids, scored.retriever_scores.tolist()))
+        q.walk_priorities.clear()  # they were for the previous query's scores
         record = LocalizationRecord(round=round_, query=q.query, pool=len(pool), topics=0)
         q.trace.localizations.append(record)
         if len(pool) == 0:
@@ -344,8 +382,10 @@ class CompassFrontend:
         if config.policy == "oracle":
             return list(slate)
         if config.policy == "heuristic":
-            scores = self._scores(q, slate)
-            return [i for i in slate if scores[i] >= config.threshold]
+            scores = self._walk_scores(q, slate)
+            clear = [i for i in slate if scores[i] >= config.threshold]
+            priorities = self._priorities(q, clear)
+            return sorted(clear, key=lambda i: -priorities[i])[: config.seeds]
         groups: dict[str, list[NodeView]] = {}
         cosines = self._cosines(q, slate)
         for memory_id in slate:
@@ -397,7 +437,7 @@ class CompassFrontend:
     def _context(self, q: _Question, item: _Queued, priority: float) -> tuple[list[NeighbourView], SlateRecord | None]:
         """The node's neighbours as shown to its explorer: all unvisited ones when ≤ M, else the
         reranker's Gumbel top-M of them with the visited and queued ones masked."""
-        edges = self.agent.bank.store.neighbours(q.user, item.node, "both")
+        edges = self._edges(q, item.node)
         direction: dict[str, tuple[str, bool]] = {}
         for edge in edges:
             other, outgoing = (edge.target, True) if edge.source == item.node else (edge.source, False)
@@ -435,7 +475,7 @@ class CompassFrontend:
         if config.policy == "heuristic":
             out = []
             for item, (neighbours, _) in zip(items, contexts):
-                keep = self._scores(q, [item.node])[item.node] >= config.threshold
+                keep = self._walk_scores(q, [item.node])[item.node] >= config.threshold
                 nxt = [n.node.number for n in neighbours] if keep else []
                 out.append((ExplorerStep("EXPAND" if keep else "SKIP", nxt, []), None))
             return out
@@ -549,14 +589,64 @@ class CompassFrontend:
             out.update(zip(rest, scores.tolist()))
         return out
 
+    def _edges(self, q: _Question, memory_id: str) -> list[Edge]:
+        """The node's edges in both directions (read once per question)."""
+        if memory_id not in q.edges:
+            q.edges[memory_id] = self.agent.bank.store.neighbours(q.user, memory_id, "both")
+        return q.edges[memory_id]
+
+    def _others(self, q: _Question, memory_id: str) -> list[str]:
+        """The node's neighbours (either direction), each once, in edge order."""
+        return list(dict.fromkeys(e.target if e.source == memory_id else e.source for e in self._edges(q, memory_id)
+                                  if e.source != e.target))
+
+    def _walk_scores(self, q: _Question, ids: Sequence[str]) -> dict[str, float]:
+        """The heuristic's node scores: the reranker's, plus `opener` for a node that opens its session
+        (no incoming `next` edge)."""
+        scores = self._scores(q, ids)
+        bonus = self.config.opener
+        if not bonus:
+            return scores
+        return {i: s + bonus * (not any(e.label == NEXT and e.target == i for e in self._edges(q, i)))
+                for i, s in scores.items()}
+
     def _priorities(self, q: _Question, ids: list[str]) -> dict[str, float]:
-        """Eq. 11 (max cosine to an unsatisfied sub-goal); the heuristic orders by the reranker's score."""
+        """Eq. 11 (max cosine to an unsatisfied sub-goal); the heuristic's: the walk score plus
+        `lookahead` × the best walk score among the node's neighbours."""
         if self.config.policy == "heuristic":
-            return self._scores(q, ids)
+            missing = [i for i in dict.fromkeys(ids) if i not in q.walk_priorities]
+            if missing:
+                own = self._walk_scores(q, missing)
+                gamma = self.config.lookahead
+                around = {i: self._others(q, i) for i in missing} if gamma else {}
+                reached = self._walk_scores(q, list(dict.fromkeys(n for ns in around.values() for n in ns)))
+                for i in missing:
+                    best = max((reached[n] for n in around.get(i, ())), default=0.0)
+                    q.walk_priorities[i] = own[i] + gamma * best
+            return {i: q.walk_priorities[i] for i in ids}
         self._load(q, ids)
         open_ = [j for j, done in enumerate(q.satisfied) if not done] or list(range(len(q.satisfied)))
         goals = q.subgoal_vectors[open_]
         return {i: float((goals @ q.vectors[i]).max()) for i in ids}
+
+    def _diversified(self, q: _Question, kept: list[str]) -> list[str]:
+        """The kept nodes by maximal marginal relevance: each next is the best priority − `diversity` ×
+        its highest cosine to a node already placed (ties: the order kept)."""
+        if len(kept) < 2:
+            return list(kept)
+        self._load(q, kept)
+        priorities = self._priorities(q, kept)
+        vectors = torch.stack([q.vectors[i] for i in kept])
+        cosines = vectors @ vectors.T
+        left, placed = list(range(len(kept))), []
+        while left:
+            def value(j: int) -> float:
+                nearest = max((float(cosines[j, p]) for p in placed), default=0.0)
+                return priorities[kept[j]] - self.config.diversity * nearest  # type: ignore[operator]
+            best = max(left, key=lambda j: (value(j), -j))
+            left.remove(best)
+            placed.append(best)
+        return [kept[j] for j in placed]
 
     def _ask(self, q: _Question, step: str, batch: list[list[Message]], max_tokens: int,
              readers: Sequence[Any]) -> tuple[list[Any], list[str | None]]:
