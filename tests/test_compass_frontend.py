@@ -518,6 +518,12 @@ def test_compass_options_reach_its_config_and_are_checked_at_parse_time(capsys) 
     args = parser.parse_args(["eval-controller", "--llm", "x", "--frontend", "compass", "--policy", "heuristic",
                               "--threshold", "-0.5", "--pool", "30", "--slate", "4", "--refinements", "0"])
     assert frontend_config(args) == CompassConfig(policy="heuristic", threshold=-0.5, pool=30, slate=4, refinements=0)
+    walk = parser.parse_args(["eval-controller", "--llm", "x", "--frontend", "compass", "--policy", "heuristic",
+                              "--seeds", "3", "--lookahead", "0", "--opener", "0.1", "--diversity", "off"])
+    assert frontend_config(walk) == CompassConfig(policy="heuristic", seeds=3, lookahead=0.0, opener=0.1,
+                                                  diversity=None)
+    mmr = parser.parse_args(["eval-controller", "--llm", "x", "--frontend", "compass", "--diversity", "0.5"])
+    assert frontend_config(mmr).diversity == 0.5 and frontend_config(args).diversity == CompassConfig().diversity
     refuse_simulated(args, SimulatedLLM())  # the heuristic needs no LLM
     llm_args = parser.parse_args(["eval-qa", "--llm", "x", "--frontend", "compass"])
     from rmm.errors import RmmError
@@ -530,6 +536,7 @@ def test_compass_options_reach_its_config_and_are_checked_at_parse_time(capsys) 
     for argv, named in ((["eval-qa", "--policy", "heuristic"], "--policy is a CompassMem option"),
                         (["eval-controller", "--frontend", "compass", "--policy", "greedy"], "--policy"),
                         (["eval-controller", "--frontend", "compass", "--threshold", "nan"], "--threshold"),
+                        (["eval-controller", "--frontend", "compass", "--diversity", "lots"], "--diversity"),
                         (["chat", "--bank", "b", "--user", "u", "--frontend", "memr3", "--slate", "3"],
                          "--slate is a CompassMem option")):
         with pytest.raises(SystemExit) as exited:

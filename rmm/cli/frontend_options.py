@@ -29,6 +29,14 @@ _XPATH_POLICIES = ("llm", "template")
 _XPATH_SCORERS = ("cosine", "reranker")
 
 
+OFF = "off"  # an option's value that sets its config field to None (not the same as leaving it out)
+
+
+def _mmr_weight(text: str) -> float | str:
+    """A finite weight, or `off` (the config's None: the kept nodes in the order kept)."""
+    return OFF if text.strip().lower() == OFF else finite_float(text)
+
+
 def compass_policy(text: str) -> str:
     """An argparse type: one of the CompassMem search policies."""
     if text not in _COMPASS_POLICIES:
@@ -60,8 +68,10 @@ FRONTEND_OPTIONS: dict[str, tuple[str, str, Any, str]] = {
                  "llm (the paper's planner and explorers), heuristic (no LLM: expand while the reranker's score "
                  "clears --threshold) or oracle (keeps the nodes holding gold turns: the graph's ceiling; eval only)"),
     "--pool": ("compass", "pool", positive_int, "first-stage events per localization (paper: 50)"),
-    "--start-k": ("compass", "start_k", positive_int, "localization slate: the reranker's top-k of the pool (paper: 5)"),
-    "--topics": ("compass", "topics", positive_int, "the first p distinct topics the pool is diversified over (paper: 5)"),
+    "--start-k": ("compass", "start_k", positive_int,
+                  "localization slate: the reranker's top-k of the pool (paper and llm/oracle policies: 5; heuristic: 20)"),
+    "--topics": ("compass", "topics", positive_int,
+                 "the first p distinct topics the pool is diversified over (paper and llm/oracle: 5; heuristic: the pool)"),
     "--slate": ("compass", "slate", positive_int, "neighbours shown per node, a Gumbel top-M when more (default 5)"),
     "--explorers": ("compass", "explorers", positive_int, "explorers per batched generate call (paper: 3)"),
     "--max-steps": ("compass", "max_steps", positive_int, "node visits per question (default 24)"),
@@ -69,6 +79,13 @@ FRONTEND_OPTIONS: dict[str, tuple[str, str, Any, str]] = {
     "--refinements": ("compass", "refinements", non_negative_int, "refinement rounds (paper: 1)"),
     "--threshold": ("compass", "threshold", finite_float,
                     "heuristic policy: the reranker score a node must clear to be kept and expanded (default 0.3)"),
+    "--seeds": ("compass", "seeds", positive_int, "heuristic policy: the slate's best nodes that start the walk (default 10)"),
+    "--lookahead": ("compass", "lookahead", finite_float,
+                    "heuristic policy: priority = walk score + this × the best neighbour's walk score (default 0.3)"),
+    "--opener": ("compass", "opener", finite_float,
+                 "heuristic policy: walk-score bonus of an event that opens its session (default 0)"),
+    "--diversity": ("compass", "diversity", _mmr_weight,
+                    "heuristic policy: MMR weight ordering the kept nodes (default 0.2; off: the order kept)"),
     "--query-policy": ("xpath", "query_policy", _choice("query_policy", _XPATH_POLICIES),
                        "llm (the LLM writes a query from the question and the tree's schema; one retry, then the "
                        "template) or template (no LLM: //Session[max(/Turn[node~Q])]/Turn[node~Q]); default llm"),
@@ -125,7 +142,8 @@ def frontend_config(args: argparse.Namespace, **overrides: Any) -> Any:
         return None
     from rmm.frontends.controllers import CONTROLLERS
 
-    given = {name: getattr(args, name) for frontend, name, _, _ in FRONTEND_OPTIONS.values()
+    given = {name: None if getattr(args, name) == OFF else getattr(args, name)
+             for frontend, name, _, _ in FRONTEND_OPTIONS.values()
              if frontend == args.frontend and getattr(args, name) is not None}
     try:
         return CONTROLLERS[args.frontend].config(**given, **overrides)
