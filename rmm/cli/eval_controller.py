@@ -1,16 +1,29 @@
 """`rmm eval-controller`: gold-evidence recall of a controller's memories (GOAL-MEM or MemR³) against
-one direct query with the same number of memories, with the LLM cost per question."""
+one direct query with the same number of memories, with the LLM cost per question.
+
+`--users heldout|train` scores only the users `rmm train` holds out (or trains on) with the same
+`--heldout` and `--seed` (`rmm.training.splits.hold_out_users`, the one seeded choice `rmm train`,
+`rmm pretrain` and `rmm.bench.compass` share), so a controller's figures can come from conversations
+no reranker or threshold was fitted on; `--user ID` (repeatable) names users outright. Only the
+questions are narrowed: every user's memories stay in the bank (a question only ever searches its own
+user's), so the cached bank and the figures of the users kept are those of a run over all users."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
 from rmm.cli import common
-from rmm.cli.arguments import positive_int, rerankable_retriever_name, unrerankable
+from rmm.cli.arguments import (
+    non_negative_int,
+    open_fraction,
+    positive_int,
+    rerankable_retriever_name,
+    unrerankable,
+)
 from rmm.cli.eval_qa import add_dedup_option, load_questions
 from rmm.cli.frontend_options import (
     add_frontend_options,
@@ -21,7 +34,13 @@ from rmm.cli.frontend_options import (
 from rmm.cli.tables import Figures, print_figures, question_set
 from rmm.errors import RmmError
 
-__all__ = ["controller_figures", "register", "run", "turn_budget_figures"]
+if TYPE_CHECKING:
+    from rmm.types import Dataset
+
+__all__ = ["USER_SETS", "controller_figures", "questions_of", "register", "run", "select_users",
+           "turn_budget_figures"]
+
+USER_SETS = ("all", "heldout", "train")
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +58,15 @@ def register(subparsers: Any) -> None:
                         "encoder preset or folder, hybrid[:DENSE] (BM25 + that dense retriever, fused) or "
                         "bm25:DENSE (BM25's ranking over DENSE's bank). Not plain bm25: the reranker needs embeddings")
     p.add_argument("--limit", type=positive_int, help="at most N questions (in dataset order)")
+    p.add_argument("--users", choices=USER_SETS, default="all",
+                   help="whose questions: all (default), or the users rmm train holds out / trains on with "
+                        "--heldout and --seed (LoCoMo held out by the defaults: conv-30, conv-48, conv-49)")
+    p.add_argument("--user", action="append", metavar="ID",
+                   help="only this user's questions (repeatable); with --users heldout|train it must be one of them")
+    p.add_argument("--heldout", type=open_fraction, default=0.3,
+                   help="rmm train's --heldout for --users heldout|train (fraction of users held out; default 0.3)")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="rmm train's --seed for --users heldout|train (default 0)")
     common.add_k_m_options(p, "candidates per query", "memories selected per GOAL-MEM subgoal query (at most K; "
                                                       "MemR³ shows --n-chk per retrieval)")
     add_frontend_options(p, direct=False)
@@ -57,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
     from rmm.policy.recipes import LearnerConfig
 
     dataset = load_questions(args)
+    users = select_users(dataset, args.users, args.user, args.heldout, args.seed)
+    if users != dataset.users:
+        log.info("scoring the questions of %s (--users %s)", ", ".join(users), args.users)
+        dataset = questions_of(dataset, users)
     if dataset.categories and args.category not in dataset.categories:
         known = ", ".join(f"{c} {name}" for c, name in sorted(dataset.categories.items()))
         raise RmmError(f"{dataset.name} has no category {args.category}; its categories: {known}")
@@ -77,11 +109,58 @@ def run(args: argparse.Namespace) -> int:
     report = evaluate_controller_recall(dataset, opened.retriever, llm, category=args.category, limit=args.limit,
                                         k=args.k, m=args.m, config=frontend_config(args), answer=args.answer,
                                         on_trace=show)
-    print_figures(controller_figures(report, question_set(dataset, args.no_dedup)), common.console)
+    questions = question_set(dataset, args.no_dedup)
+    if users != dataset.users:
+        questions += "; users " + (", ".join(users) if len(users) <= 5 else f"{len(users)} ({args.users})")
+    print_figures(controller_figures(report, questions), common.console)
     if report.recall_turns_controller:
         print_figures(turn_budget_figures(report), common.console)
-    common.write_json(args.json, report.to_json())
+    selection = {"users": users, "user_set": args.users}
+    if args.users != "all":
+        selection |= {"heldout": args.heldout, "seed": args.seed}
+    common.write_json(args.json, {**report.to_json(), **selection})
     return 0
+
+
+def select_users(dataset: Dataset, user_set: str, named: list[str] | None, heldout: float, seed: int) -> list[str]:
+    """The users whose questions are scored, in dataset order: `user_set` ("all", or rmm train's
+    held-out / training users for `heldout` and `seed`), narrowed to `named` when given. An id the
+    dataset lacks, or one outside `user_set`, is refused in one line (nothing has run yet).
+
+    The split is drawn over every user of the dataset, as `rmm.bench.compass` and `rmm pretrain` draw
+    it; `rmm train` draws it over the users with scorable questions — the same users on LoCoMo."""
+    from rmm.training.splits import hold_out_users
+
+    if user_set not in USER_SETS:
+        raise RmmError(f"--users must be one of {', '.join(USER_SETS)}, got {user_set!r}")
+    chosen = dataset.users
+    if user_set != "all":
+        if len(chosen) < 2:
+            raise RmmError(f"--users {user_set} splits users as rmm train does: {dataset.name} has only "
+                           f"{len(chosen)} user(s)")
+        held, _ = hold_out_users(chosen, heldout, seed)
+        chosen = [u for u in chosen if (u in held) == (user_set == "heldout")]
+    if not named:
+        return chosen
+    unknown = [u for u in dict.fromkeys(named) if u not in dataset.users]
+    if unknown:
+        sample = ", ".join(dataset.users[:5]) + (", …" if len(dataset.users) > 5 else "")
+        raise RmmError(f"{dataset.name} has no user {', '.join(unknown)} (its {len(dataset.users)} users: {sample})")
+    outside = [u for u in dict.fromkeys(named) if u not in chosen]
+    if outside:
+        raise RmmError(f"--user {', '.join(outside)}: not a {user_set} user (--heldout {heldout:g} --seed {seed}: "
+                       f"{', '.join(chosen)})")
+    return [u for u in chosen if u in named]
+
+
+def questions_of(dataset: Dataset, users: list[str]) -> Dataset:
+    """`dataset` with only `users`' questions; every user's sessions stay, so the bank (cached by its
+    sessions' content) is the one a run over all users opens."""
+    from rmm.types import Dataset
+
+    keep = set(users)
+    return Dataset(dataset.name, dataset.sessions, [q for q in dataset.questions if q.user_id in keep],
+                   dict(dataset.categories))
 
 
 def controller_figures(report: Any, questions: str = "") -> Figures:
