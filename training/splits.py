@@ -100,6 +100,13 @@ def hold_out_users(users: Sequence[str], fraction: float, seed: int) -> tuple[li
     return shuffled[:n_held], shuffled[n_held:]
 
 
+def split_users_in_order(users: Sequence[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """(users trained on, users held out) by `hold_out_users`, each in the given order: what the
+    benchmarks and `rmm eval-controller --users` list and score."""
+    held = set(hold_out_users(users, fraction, seed)[0])
+    return [u for u in users if u not in held], [u for u in users if u in held]
+
+
 def refuse_pretrained_users(encoder: str, pretrained_on: Pretraining | None, dataset: str,
                             users: Sequence[str], remedy: str) -> None:
     """Raise `PretrainedUsersError` (one line naming them) when the encoder was pretrained on any of

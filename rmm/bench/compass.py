@@ -111,10 +111,9 @@ def subset(dataset: Dataset, users: Sequence[str]) -> Dataset:
 
 def split_users(dataset: Dataset, heldout: float, seed: int) -> tuple[list[str], list[str]]:
     """(training users, held-out users), each in dataset order: `rmm train`'s shared-mode split."""
-    from rmm.training.splits import hold_out_users
+    from rmm.training.splits import split_users_in_order
 
-    held, _ = hold_out_users(dataset.users, heldout, seed)
-    return [u for u in dataset.users if u not in held], [u for u in dataset.users if u in held]
+    return split_users_in_order(dataset.users, heldout, seed)
 
 
 def scorable(dataset: Dataset, limit: int | None = None) -> list[Question]:

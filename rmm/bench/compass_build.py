@@ -43,10 +43,9 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def training_users(users: list[str], heldout: float, seed: int) -> list[str]:
     """The users `rmm train --heldout H --seed S` trains on (its shared-mode split), in dataset order."""
-    from rmm.training.splits import hold_out_users
+    from rmm.training.splits import split_users_in_order
 
-    _, kept = hold_out_users(users, heldout, seed)
-    return [u for u in users if u in set(kept)]
+    return split_users_in_order(users, heldout, seed)[0]
 
 
 def calibrate(args: argparse.Namespace) -> int:

@@ -129,7 +129,7 @@ def select_users(dataset: Dataset, user_set: str, named: list[str] | None, heldo
 
     The split is drawn over every user of the dataset, as `rmm.bench.compass` and `rmm pretrain` draw
     it; `rmm train` draws it over the users with scorable questions — the same users on LoCoMo."""
-    from rmm.training.splits import hold_out_users
+    from rmm.training.splits import split_users_in_order
 
     if user_set not in USER_SETS:
         raise RmmError(f"--users must be one of {', '.join(USER_SETS)}, got {user_set!r}")
@@ -138,8 +138,7 @@ def select_users(dataset: Dataset, user_set: str, named: list[str] | None, heldo
         if len(chosen) < 2:
             raise RmmError(f"--users {user_set} splits users as rmm train does: {dataset.name} has only "
                            f"{len(chosen)} user(s)")
-        held, _ = hold_out_users(chosen, heldout, seed)
-        chosen = [u for u in chosen if (u in held) == (user_set == "heldout")]
+        chosen = split_users_in_order(chosen, heldout, seed)[user_set == "heldout"]
     if not named:
         return chosen
     unknown = [u for u in dict.fromkeys(named) if u not in dataset.users]
