@@ -8,7 +8,7 @@
 # (rmm.bench.kernels); pretraining throughput vs sentence-transformers' trainer, Contriever
 # architecture, batch 32 + 1 hard negative, bf16, rmm in two transformer passes a step and in one
 # (merge_passes candidates, all), each eager and from CUDA graphs, after a warm-up round, then each
-# rmm side once more under the torch profiler (top operations by host and GPU time)
+# rmm side that misses a target once more under the torch profiler (top operations by host and GPU time)
 # (rmm.bench.pretrain); the encoder vs sentence-transformers, bf16, batch 256, for the MiniLM and
 # BERT-base (Contriever) architectures, rmm eager and from CUDA graphs (rmm.bench.encode); `rmm train` and `rmm pretrain` (1 epoch of contriever-a100.yaml) on CUDA with
 # wall time and peak GPU memory (rmm.bench.cuda_peak); batched retrieval through `rmm serve` on CUDA,
