@@ -465,6 +465,44 @@ def test_chosen_config_is_recorded_and_logged_once(caplog: pytest.LogCaptureFixt
     assert len(lines) == 1 and str(chosen) in lines[0].getMessage()
 
 
+@pytest.mark.skipif(_CUDA, reason="a stand-in autotuner over the interpreter; on CUDA the real one runs")
+def test_a_tuned_shape_launches_its_choice_without_the_autotuner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The autotuner times a shape's candidates once; later launches of that shape go straight to
+    the chosen configuration (its Python per call is what a served batch waits for), with the
+    same results."""
+    import triton
+
+    from rmm.kernels import triton_rerank as tr
+
+    class StandIn:  # triton's Autotuner as rerank_triton uses it: grid[...](*args) then best_config
+        calls = 0
+        best_config = None
+
+        def __getitem__(self, grid):
+            def run(*args, **consts):
+                StandIn.calls += 1
+                choice = tr.RerankConfig(4, 16, 4, 1)
+                StandIn.best_config = triton.Config({"CHUNK_K": 4, "BLOCK_D": 16, "D_STATIC": 0}, num_warps=4,
+                                                    num_stages=1)
+                tr._launch(grid[0], args, consts, choice, args[0].shape[1])
+            return run
+
+    monkeypatch.setattr(tr, "_TUNED", StandIn())
+    monkeypatch.setattr(tr, "_CHOSEN", {})
+    queries, bank, ids = make_problem(3, 12, 20, 40, seed=5, pad={1: 7})
+    ref = rerank(queries, bank, ids, 4, 0.5, seed=9, explore=True, backend="torch")
+    results = [tr.rerank_triton(queries, bank, ids, 4, 0.5, explore=True, seed=9) for _ in range(3)]
+    assert StandIn.calls == 1 and tr.config_for(3, 12, 20, bank.dtype) == tr.RerankConfig(4, 16, 4, 1)
+    for got in results:
+        torch.testing.assert_close(got.scores, ref.scores)
+        assert torch.equal(got.indices, ref.indices)
+    tr.rerank_triton(queries[:1], bank, ids[:1], 4, 0.5, explore=True, seed=9)  # same batch class: no tuning
+    assert StandIn.calls == 1
+    wider, wide_bank, wide_ids = make_problem(3, 12, 24, 40, seed=5)
+    tr.rerank_triton(wider, wide_bank, wide_ids, 4, 0.5, explore=True, seed=9)  # a new d: tuned once more
+    assert StandIn.calls == 2
+
+
 # ---- CUDA only: real sizes, half-precision banks, the reranker through dispatch ---------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="needs a CUDA device")
