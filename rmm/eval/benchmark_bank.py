@@ -213,19 +213,39 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
                                 batch_size=batch_size, progress=progress, store=store, cache=cache)
     if name in LEXICAL_RETRIEVERS:
         path = root / f"{dataset.name}-{granularity}-{digest}-bm25.sqlite"
-        if store is None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        texts = MemoryStore(path) if store is None else open_store(_in_database(path, store))
-        fill(texts, dataset, granularity, progress)
+        with building(path):
+            texts = MemoryStore(path) if store is None else open_store(_in_database(path, store))
+            fill(texts, dataset, granularity, progress)
         return DatasetRetriever(name, BM25Retriever(texts), None, path if store is None else None)
     encoder = load_encoder(name, device=device, batch_size=batch_size)
     enc_key = hashlib.sha256(encoder.fingerprint.encode()).hexdigest()[:12]
     path = root / f"{dataset.name}-{granularity}-{digest}-{enc_key}"
-    bank = MemoryBank(_in_database(path, store), encoder, index_backend=index_backend, device=device)
-    with passage_cache(encoder, cache):
+    with building(path), passage_cache(encoder, cache):
+        bank = MemoryBank(_in_database(path, store), encoder, index_backend=index_backend, device=device)
         fill(bank, dataset, granularity, progress)
     log.info("bank for %s/%s with %s at %s", dataset.name, granularity, encoder.name, bank.location)
     return DatasetRetriever(name, bank, encoder, bank.path)
+
+
+@contextmanager
+def building(path: Path) -> Iterator[None]:
+    """Hold the cached bank at `path` while this process opens and fills it (`<path>.lock`, a file
+    lock). Two runs over one cache folder otherwise race: the second deletes a user the first is
+    still adding, or opens an index before the first has finished, and both report figures of a bank
+    neither meant. A second run waits here, then finds the bank complete."""
+    from filelock import FileLock, Timeout
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(f"{path}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("waiting for another process building %s", path.name)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @contextmanager
@@ -268,9 +288,9 @@ def _open_topic_bank(name: str, dataset: Dataset, root: Path, digest: str, *, de
     probe = ProspectiveReflector(_KeyOnly(encoder), llm, segmenter=segmenter, **options)  # type: ignore[arg-type]
     settings = hashlib.sha256(probe.settings_key.encode()).hexdigest()[:10]
     path = root / f"{dataset.name}-topic-{digest}-{enc_key}-{settings}"
-    bank = MemoryBank(_in_database(path, store), encoder, index_backend=index_backend, device=device)
-    reflector = ProspectiveReflector(bank, llm, segmenter=segmenter, **options)
-    with passage_cache(encoder, cache):
+    with building(path), passage_cache(encoder, cache):
+        bank = MemoryBank(_in_database(path, store), encoder, index_backend=index_backend, device=device)
+        reflector = ProspectiveReflector(bank, llm, segmenter=segmenter, **options)
         fill_topics(bank, dataset, reflector, progress)
     log.info("topic bank for %s with %s (%s) at %s", dataset.name, encoder.name, probe.settings_key, bank.location)
     return DatasetRetriever(name, bank, encoder, bank.path)
@@ -287,9 +307,9 @@ def _open_event_bank(name: str, dataset: Dataset, root: Path, digest: str, *, de
     probe = EventGraphBuilder(_KeyOnly(encoder))  # type: ignore[arg-type]
     settings = hashlib.sha256(probe.settings_key.encode()).hexdigest()[:10]
     path = root / f"{dataset.name}-event-{digest}-{enc_key}-{settings}"
-    bank = MemoryBank(_in_database(path, store), encoder, index_backend=index_backend, device=device)
-    builder = EventGraphBuilder(bank)
-    with passage_cache(encoder, cache):
+    with building(path), passage_cache(encoder, cache):
+        bank = MemoryBank(_in_database(path, store), encoder, index_backend=index_backend, device=device)
+        builder = EventGraphBuilder(bank)
         fill_events(bank, dataset, builder, progress)
     log.info("event bank for %s with %s (%s) at %s", dataset.name, encoder.name, probe.settings_key, bank.location)
     return DatasetRetriever(name, bank, encoder, bank.path)
