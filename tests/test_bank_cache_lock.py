@@ -43,16 +43,17 @@ def test_a_bank_is_filled_under_its_lock_and_released_after(tiny_data_dir: Path,
     real_fill = benchmark_bank.fill
 
     def fill(store, data, granularity, progress=True):
-        lock = next((tmp_path / "cache" / "banks").glob("*.lock"))
+        lock = next((tmp_path / "cache" / "banks" / ".locks").glob("*.lock"))
         seen.append(_held_elsewhere(lock))
         return real_fill(store, data, granularity, progress)
 
     monkeypatch.setattr(benchmark_bank, "fill", fill)
     opened = open_retriever("bm25", dataset, "turn", cache=tmp_path / "cache", progress=False)
     assert seen == [True]  # held while the bank was filled
-    lock = next((tmp_path / "cache" / "banks").glob("*.lock"))
+    lock = next((tmp_path / "cache" / "banks" / ".locks").glob("*.lock"))
     assert not _held_elsewhere(lock)  # and released once it was whole
     assert opened.path is not None and opened.path.name + ".lock" == lock.name
+    assert not list((tmp_path / "cache" / "banks").glob("*.lock"))  # the banks' folder lists banks only
 
 
 def test_a_second_builder_waits_for_the_first(tmp_path: Path) -> None:

@@ -221,8 +221,8 @@ def test_concurrent_session_ends_queue_one_job_on_both_stores(client: TestClient
     for r in responses:
         if r.status_code != 202:
             assert_error(r, 404, code="no_open_session")
-    assert client.app.state.service.jobs.counts().get("queued", 0) + sum(
-        n for s, n in client.app.state.service.jobs.counts().items() if s != "queued") == 1
+    counts = client.app.state.service.jobs.counts()  # read once: a worker may move the job meanwhile
+    assert sum(counts.values()) == 1, counts
 
 
 def test_the_database_allows_one_job_per_session_across_replicas(pg_url: str) -> None:

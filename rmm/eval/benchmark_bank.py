@@ -229,14 +229,15 @@ def open_retriever(name: str, dataset: Dataset, granularity: str, *, cache: str 
 
 @contextmanager
 def building(path: Path) -> Iterator[None]:
-    """Hold the cached bank at `path` while this process opens and fills it (`<path>.lock`, a file
-    lock). Two runs over one cache folder otherwise race: the second deletes a user the first is
+    """Hold the cached bank at `path` while this process opens and fills it (a file lock in
+    `.locks/` beside it). Two runs over one cache folder otherwise race: the second deletes a user the first is
     still adding, or opens an index before the first has finished, and both report figures of a bank
     neither meant. A second run waits here, then finds the bank complete."""
     from filelock import FileLock, Timeout
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(f"{path}.lock")
+    locks = path.parent / ".locks"  # beside the banks, not among them
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(locks / f"{path.name}.lock")
     try:
         lock.acquire(timeout=0)
     except Timeout:
