@@ -3,6 +3,7 @@ embedding, the settings it refuses, and (on a GPU) graphed steps that equal eage
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from rmm.data import load_dataset
 from rmm.encoders import load_encoder
 from rmm.encoders.random_weights import write_random_encoder
 from rmm.errors import RmmError
-from rmm.training.pretrain import build, make_trainer
+from rmm.training.pretrain import build, make_trainer, run_pretrain
 from rmm.encoders.cuda_graphs import bucket_length
 from rmm.training.pretrain.graphs import GraphedPasses
 from rmm.training.pretrain_config import PretrainConfig, PretrainConfigError
@@ -74,7 +75,7 @@ def test_cuda_graphs_refuses_what_it_cannot_capture(clash: dict) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
-def test_cuda_graphs_without_a_gpu_is_a_clear_error(tiny_folder: Path) -> None:
+def test_cuda_graphs_without_a_gpu_is_a_clear_error(tiny_folder: Path, tmp_path: Path) -> None:
     with pytest.raises(RmmError, match="CUDA"):
         GraphedPasses(load_encoder(str(tiny_folder), device="cpu"), None)
     cfg = PretrainConfig(encoder=str(tiny_folder), batch_size=8, max_steps=1, progress=False, checkpoint=False,
@@ -82,6 +83,9 @@ def test_cuda_graphs_without_a_gpu_is_a_clear_error(tiny_folder: Path) -> None:
     module, data = build(cfg)
     with pytest.raises(RmmError, match="CUDA device"):
         make_trainer(cfg).fit(module, datamodule=data)
+    with pytest.raises(PretrainConfigError, match="cuda_graphs: true needs a CUDA device"):
+        run_pretrain(dataclasses.replace(cfg, output_dir=str(tmp_path / "run")))  # before any evaluation
+    assert not (tmp_path / "run" / "encoder").exists()
 
 
 def _train(folder: Path, graphs: bool, precision: str, steps: int,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 
 from rmm.encoders import load_encoder
 from rmm.encoders.encoder import Pretraining
@@ -37,7 +38,7 @@ from rmm.training.pretrain.data import UserSplit, split_users
 from rmm.training.pretrain.datamodule import PairDataModule
 from rmm.training.pretrain.evaluation import evaluate_heldout
 from rmm.training.pretrain.module import ContrastiveModule, batch_pairs, resolve_precision
-from rmm.training.pretrain_config import PretrainConfig
+from rmm.training.pretrain_config import PretrainConfig, PretrainConfigError
 from rmm.training.splits import refuse_pretrained_users
 from rmm.types import Dataset
 
@@ -253,6 +254,8 @@ def _run(cfg: PretrainConfig, dataset: Dataset | None, callbacks: list[L.Callbac
     output = Path(cfg.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     resume_path(cfg)  # a missing checkpoint is refused before any work
+    if cfg.cuda_graphs and not torch.cuda.is_available():  # refused before the held-out evaluation, not after
+        raise PretrainConfigError("cuda_graphs: true needs a CUDA device, and torch sees none here")
     module, data = build(cfg, dataset)
     log.info("pairs: train %d, val %d, test %d", *(len(data.pairs[s]) for s in ("train", "val", "test")))
     scratch = Path(tempfile.mkdtemp(prefix="eval-banks-", dir=output))
@@ -271,7 +274,8 @@ def _run(cfg: PretrainConfig, dataset: Dataset | None, callbacks: list[L.Callbac
         watch = _InterruptWatch()
         trainer = make_trainer(cfg, [throughput, watch, *callbacks])
         log.info("training %s on %s (%s precision%s): %d epoch(s)%s, batch %d", cfg.encoder,
-                 trainer.strategy.root_device, trainer.precision, ", torch.compile" if cfg.torch_compile else "",
+                 trainer.strategy.root_device, trainer.precision,
+                 ", torch.compile" if cfg.torch_compile else ", CUDA graphs" if cfg.cuda_graphs else "",
                  cfg.epochs, f", at most {cfg.max_steps} steps" if cfg.max_steps > 0 else "", cfg.batch_size)
         started = time.perf_counter()
         _fit(trainer, module, data, cfg, watch)
