@@ -16,7 +16,8 @@ import pytest
 import torch
 from fakes import BagOfWordsEncoder, loopback_server
 from fastapi.testclient import TestClient
-from test_serve_hardening import ALPHA, A, assert_error, make_app, store  # noqa: F401 - both stores
+from plackett_luce_helpers import naive_pl_logp
+from test_serve_hardening import ALPHA, A, assert_error, cite_first_shown, make_app, store  # noqa: F401 - both stores
 
 from rmm.data.jsonl import JsonlDataError, read_jsonl, write_jsonl
 from rmm.llm.base import LLM, Usage
@@ -214,21 +215,12 @@ def test_feedback_on_a_neighbours_selection_updates_the_learner_as_sampled(clien
     learner = service.learner("alpha")
     step, version = learner.stats.step, learner.reranker.version
     slate = neighbours(client, m=2, visited=["n0"], explore=True).json()
-    result = client.post("/v1/feedback", json={"selection_id": slate["selection_id"], "cited": [0]}, headers=A).json()
-    assert result["learned"] and result["rewards"] == [1.0, -1.0]
-    deferred = service.feedback_learner.deferred  # PostgreSQL: the learner replica applies it
-    assert result["updated"] != deferred
-    if not deferred:
-        assert learner.stats.step == step + 1
-    (pending, _), = service.selections.rewarded("alpha", 0.0, 10)
+    pending = cite_first_shown(client, slate["selection_id"], step)
     # stored as sampled: the unvisited candidates only, behaviour log-probs of each pick under scores/τ
     assert "n0" not in pending.memory_ids and "hub" not in pending.memory_ids and len(pending.memory_ids) == 5
     assert pending.explore and pending.version == version and pending.logp is not None
-    logits, left, expected = pending.scores / pending.tau, list(range(len(pending.memory_ids))), []
-    for pick in pending.chosen:  # brute-force Plackett–Luce
-        expected.append(float(logits[pick] - torch.logsumexp(logits[left], 0)))
-        left.remove(pick)
-    assert torch.allclose(pending.logp, torch.tensor(expected), atol=1e-5)
+    expected = naive_pl_logp(pending.scores, torch.as_tensor(pending.chosen), pending.tau)  # pick by pick
+    assert torch.allclose(pending.logp, expected, atol=1e-5)
     assert [pending.memory_ids[i] for i in pending.chosen] == [m["id"] for m in slate["memories"]]
     again = client.post("/v1/feedback", json={"selection_id": slate["selection_id"], "cited": [0]}, headers=A)
     assert_error(again, 409, code="selection_used")

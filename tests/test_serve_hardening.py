@@ -84,6 +84,21 @@ def assert_error(response: httpx.Response, status: int, *, code: str | None = No
     return body
 
 
+
+def cite_first_shown(client: TestClient, selection_id: str, step: int) -> Any:
+    """Feedback citing the first memory of an explored selection of tenant alpha, checked: +1 for it
+    and −1 for the other shown, learned at once (on PostgreSQL the learner replica applies it later);
+    returns the pending selection as stored, for the caller to check it was kept as sampled."""
+    service = client.app.state.service
+    result = client.post("/v1/feedback", json={"selection_id": selection_id, "cited": [0]}, headers=A).json()
+    assert result["learned"] and result["rewards"] == [1.0, -1.0]
+    deferred = service.feedback_learner.deferred  # PostgreSQL: the learner replica applies it
+    assert result["updated"] != deferred
+    if not deferred:
+        assert service.learner("alpha").stats.step == step + 1
+    (pending, _), = service.selections.rewarded("alpha", 0.0, 10)
+    return pending
+
 # ---- 1. NUL: refused at the edge by both stores -------------------------------------------------
 NUL_REQUESTS = [
     ("POST", "/v1/users/ana/memories", {"memories": [{"text": "nul\u0000byte"}]}),

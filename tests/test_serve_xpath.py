@@ -16,7 +16,8 @@ import pytest
 import torch
 from fakes import BagOfWordsEncoder, loopback_server
 from fastapi.testclient import TestClient
-from test_serve_hardening import ALPHA, A, assert_error, make_app, store  # noqa: F401 - both stores
+from plackett_luce_helpers import naive_pl_logp
+from test_serve_hardening import ALPHA, A, assert_error, cite_first_shown, make_app, store  # noqa: F401 - both stores
 
 import rmm.serve.client as client_module
 from rmm.data.jsonl import JsonlDataError, read_jsonl, write_jsonl
@@ -149,25 +150,15 @@ def test_feedback_on_an_xpath_selection_trains_the_learner_as_sampled(client: Te
     assert len(seen) >= 2  # sampled, not always the same top-2
     slate = xpath(client, k=5, m=2, explore=True).json()
     assert slate["explore"] and slate["selection_id"] and slate["candidates"] == 5
-    result = client.post("/v1/feedback", json={"selection_id": slate["selection_id"], "cited": [0]},
-                         headers=A).json()
-    assert result["learned"] and result["rewards"] == [1.0, -1.0]
-    deferred = service.feedback_learner.deferred  # PostgreSQL: the learner replica applies it
-    assert result["updated"] != deferred
-    if not deferred:
-        assert learner.stats.step == step + 1
-    (pending, _), = service.selections.rewarded("alpha", 0.0, 10)
+    pending = cite_first_shown(client, slate["selection_id"], step)
     # stored as sampled: the best 5 leaves (their XPath weights, best first), μ of each pick; the
     # server's reranker weighs the hybrid candidate features, not `xpath_weight`: none are carried
     assert pending.explore and pending.version == version and pending.query == "summer trip"
     assert learner.reranker.feature_names and XPATH_FEATURE not in learner.reranker.feature_names
     assert pending.features is None and pending.feature_names == ()
     assert pending.memory_ids[0] == "t0" and len(pending.memory_ids) == 5
-    logits, left, expected = pending.scores / pending.tau, list(range(len(pending.memory_ids))), []
-    for pick in pending.chosen:  # brute-force Plackett–Luce
-        expected.append(float(logits[pick] - torch.logsumexp(logits[left], 0)))
-        left.remove(pick)
-    assert torch.allclose(pending.logp, torch.tensor(expected), atol=1e-5)
+    expected = naive_pl_logp(pending.scores, torch.as_tensor(pending.chosen), pending.tau)  # pick by pick
+    assert torch.allclose(pending.logp, expected, atol=1e-5)
     assert [pending.memory_ids[i] for i in pending.chosen] == [m["id"] for m in slate["memories"]]
     assert_error(client.post("/v1/feedback", json={"selection_id": slate["selection_id"], "cited": [0]}, headers=A),
                  409, code="selection_used")
