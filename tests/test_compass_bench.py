@@ -9,13 +9,14 @@ from dataclasses import replace
 import pytest
 from test_bm25_over_dense import fake_minilm  # noqa: F401 - every encoder name loads a bag of words, private cache
 
-from rmm.bench.compass import by_category, run_search, scorable, split_users, subset, train_reranker
+from rmm.bench.compass import by_category, run_search, scorable, subset, train_reranker
 from rmm.data.locomo import load_locomo
 from rmm.eval.benchmark_bank import open_retriever
 from rmm.eval.controller_recall import evaluate_controller_recall
 from rmm.frontends.compass import CompassConfig
 from rmm.llm.simulated import SimulatedLLM
 from rmm.policy.recipes import LearnerConfig
+from rmm.training.splits import split_users_in_order
 from rmm.types import Dataset
 
 
@@ -63,7 +64,7 @@ def test_trained_reranker_learns_from_the_searchs_sampled_slates(events) -> None
 def test_split_is_rmm_trains_and_categories_average_per_question() -> None:
     users = [f"conv-{n}" for n in (26, 30, 41, 42, 43, 44, 47, 48, 49, 50)]
     dataset = Dataset("locomo", {u: [] for u in users}, [])
-    train, held = split_users(dataset, 0.3, 0)
+    train, held = split_users_in_order(dataset.users, 0.3, 0)
     assert held == ["conv-30", "conv-48", "conv-49"] and set(train) == set(users) - set(held)
     assert subset(dataset, held).users == held
     rows = [{"category": 1, "x": 1.0}, {"category": 1, "x": 0.0}, {"category": 2, "x": 1.0}]

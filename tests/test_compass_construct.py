@@ -22,6 +22,7 @@ from rmm.memory.graph import Edge
 from rmm.prompts.compass_parse import parse_events, parse_fusion, parse_relations
 from rmm.prompts.compass_render import events_messages, fusion_messages, relations_messages, session_turn_ids
 from rmm.prompts.parse import PromptParseError
+from rmm.training.splits import split_users_in_order
 from rmm.reflection.segment import SegmenterConfig
 from rmm.reflection.events import (
     FALLBACK_LABEL,
@@ -399,11 +400,10 @@ def test_calibration_reads_only_the_users_it_is_given() -> None:
 
 
 def test_calibrated_on_locomo_training_users_only() -> None:
-    from rmm.bench.compass_build import training_users
 
     locomo = ["conv-26", "conv-30", "conv-41", "conv-42", "conv-43", "conv-44", "conv-47", "conv-48", "conv-49",
               "conv-50"]
-    assert training_users(locomo, 0.3, 0) == ["conv-26", "conv-41", "conv-42", "conv-43", "conv-44", "conv-47",
+    assert split_users_in_order(locomo, 0.3, 0)[0] == ["conv-26", "conv-41", "conv-42", "conv-43", "conv-44", "conv-47",
                                               "conv-50"]
     minilm = type("Enc", (), {"fingerprint": "bert-d384-mean-l2:ac926ec96732d916", "name": "minilm"})()
     source = thresholds_for(minilm).source

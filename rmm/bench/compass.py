@@ -54,6 +54,7 @@ from typing import Any
 
 from rmm.eval.metrics import TURN_BUDGETS
 from rmm.frontends.compass import CompassConfig, CompassFrontend
+from rmm.training.splits import split_users_in_order
 from rmm.types import Dataset, Question
 
 log = logging.getLogger(__name__)
@@ -107,13 +108,6 @@ def subset(dataset: Dataset, users: Sequence[str]) -> Dataset:
     keep = set(users)
     return Dataset(dataset.name, {u: s for u, s in dataset.sessions.items() if u in keep},
                    [q for q in dataset.questions if q.user_id in keep], dict(dataset.categories))
-
-
-def split_users(dataset: Dataset, heldout: float, seed: int) -> tuple[list[str], list[str]]:
-    """(training users, held-out users), each in dataset order: `rmm train`'s shared-mode split."""
-    from rmm.training.splits import split_users_in_order
-
-    return split_users_in_order(dataset.users, heldout, seed)
 
 
 def scorable(dataset: Dataset, limit: int | None = None) -> list[Question]:
@@ -282,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     dataset = load_dataset(args.dataset, download=False)
-    train_users, held_users = split_users(dataset, args.heldout, args.seed)
+    train_users, held_users = split_users_in_order(dataset.users, args.heldout, args.seed)
     train = subset(dataset, train_users)
     read_users = held_users if args.users == "heldout" else train_users
     held = subset(dataset, read_users)  # the questions read (the held-out ones unless --users train)

@@ -41,20 +41,13 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
     return dataset, encoder
 
 
-def training_users(users: list[str], heldout: float, seed: int) -> list[str]:
-    """The users `rmm train --heldout H --seed S` trains on (its shared-mode split), in dataset order."""
-    from rmm.training.splits import split_users_in_order
-
-    return split_users_in_order(users, heldout, seed)[0]
-
-
 def calibrate(args: argparse.Namespace) -> int:
     from rmm.eval.benchmark_bank import passage_cache
     from rmm.reflection.events import calibrate_thresholds
+    from rmm.training.splits import split_users_in_order
 
     dataset, encoder = _setup(args)
-    users = training_users(list(dataset.users), args.heldout, args.seed)
-    held = [u for u in dataset.users if u not in users]
+    users, held = split_users_in_order(dataset.users, args.heldout, args.seed)  # rmm train's split
     t0 = time.perf_counter()
     with passage_cache(encoder, args.cache_dir):
         found = calibrate_thresholds(dataset, users, encoder)
