@@ -25,11 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from rmm.encoders import Encoder
+from rmm.encoders.cuda_graphs import MAX_GRAPHS
 from rmm.errors import RmmError
 
 log = logging.getLogger(__name__)
-
-MAX_GRAPHS = 64  # beyond this many captured shapes, new shapes run eagerly (graphs hold GPU memory)
 
 
 class _EmbedPass(nn.Module):
