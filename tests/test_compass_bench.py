@@ -7,17 +7,20 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 from test_bm25_over_dense import fake_minilm  # noqa: F401 - every encoder name loads a bag of words, private cache
 
-from rmm.bench.compass import by_category, run_search, scorable, subset, train_reranker
+from rmm.bench.compass import by_category, gold_linkage, paired_gain, run_search, scorable, subset, train_reranker
 from rmm.data.locomo import load_locomo
 from rmm.eval.benchmark_bank import open_retriever
 from rmm.eval.controller_recall import evaluate_controller_recall
 from rmm.frontends.compass import CompassConfig
 from rmm.llm.simulated import SimulatedLLM
+from rmm.memory.graph import Edge
+from rmm.memory.store import MemoryStore
 from rmm.policy.recipes import LearnerConfig
 from rmm.training.splits import split_users_in_order
-from rmm.types import Dataset
+from rmm.types import Dataset, Memory, Question
 
 
 @pytest.fixture
@@ -70,3 +73,31 @@ def test_split_is_rmm_trains_and_categories_average_per_question() -> None:
     rows = [{"category": 1, "x": 1.0}, {"category": 1, "x": 0.0}, {"category": 2, "x": 1.0}]
     means = by_category(rows, "x")
     assert means["1"] == 50.0 and means["2"] == 100.0 and math.isclose(means["all"], 200 / 3)
+
+
+def test_paired_gain_is_the_mean_difference_with_its_paired_standard_error() -> None:
+    rows = [{"category": 1, "r_search": 1.0, "r_direct": 0.5}, {"category": 1, "r_search": 0.5, "r_direct": 0.5},
+            {"category": 2, "r_search": 0.0, "r_direct": 1.0}]
+    gains = paired_gain(rows, "r")
+    assert gains["1"]["mean"] == 25.0 and gains["1"]["n"] == 2
+    assert math.isclose(gains["1"]["se"], 25.0)  # differences 50 and 0: sample sd 25·√2, over √2 questions
+    assert gains["all"]["mean"] == -50 / 3 and gains["all"]["n"] == 3
+    assert math.isnan(gains["2"]["se"])  # one question: no spread to estimate
+
+
+def test_gold_linkage_counts_gold_events_and_their_edges_to_each_other(tmp_path) -> None:
+    def ev(memory_id: str, refs: list[str]) -> Memory:
+        return Memory(id=memory_id, user_id="u", kind="event", text=memory_id, refs=refs,
+                      time_span=("2024-01-01", None))
+
+    store = MemoryStore(tmp_path / "bank.sqlite")
+    # gold of q1: a (t1), b (t2), c (t3); a - b linked (b -> a, read both ways), c only to d (not gold)
+    store.add_events("u", [ev("a", ["t1"]), ev("b", ["t2", "t9"]), ev("c", ["t3"]), ev("d", ["t4"])],
+                     [Edge("b", "a", "next"), Edge("c", "d", "similar")], embeddings=torch.eye(4))
+    questions = [Question("q1", "u", "?", "", ["t1", "t2", "t3"], [], category=1),
+                 Question("q2", "u", "?", "", ["t4"], [], category=4),
+                 Question("q3", "v", "?", "", ["t1"], [], category=4)]  # a user with no memories: no gold events
+    found = gold_linkage(Dataset("x", {"u": [], "v": []}, questions), store)
+    assert found["1"] == {"gold_events": 3, "spread": 100.0, "linked": 200 / 3}
+    assert found["4"] == {"gold_events": 0.5, "spread": 0.0, "linked": 0.0}
+    assert found["all"]["gold_events"] == 4 / 3 and math.isclose(found["all"]["linked"], 50.0)

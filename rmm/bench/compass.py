@@ -30,6 +30,12 @@ Rows:
   search records them), then frozen and the held-out questions read with it: heuristic and direct
   again. Train-then-read, not prequential: no held-out question is learned from.
 
+Beside the tables: each search's gain over its direct query per category with the paired standard
+error of that mean (`paired_gain`: the same questions under both arms), and how the graph links the
+read questions' gold evidence (`gold_linkage`: events holding gold per question, questions whose
+gold lies in two or more events, and the share of gold events with an edge to another gold event —
+what one hop from evidence can reach).
+
 Timing (`time.process_time`, one torch thread): the graph walk alone (`CompassFrontend._explore`:
 queue, neighbour reads, neighbour slates, scores — no first-stage retrieval) and the per-question
 topic-layer read (`_topics`), per question; the build of each conversation's fallback event graph
@@ -207,6 +213,46 @@ def by_category(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
     return {c: 100 * statistics.mean(v) for c, v in groups.items()}
 
 
+def paired_gain(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, float]]:
+    """The search's gain over the direct query on `key` (e.g. ``recall_turns@15``), in points, per
+    category and over categories 1-4: its mean, the standard error of that mean (paired: both arms read
+    the same questions) and the number of questions. A gain within about two standard errors of zero
+    is one the questions cannot tell from none."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        gain = 100 * (float(row[f"{key}_search"]) - float(row[f"{key}_direct"]))
+        groups[str(row["category"])].append(gain)
+        groups["all"].append(gain)
+    return {c: {"mean": statistics.mean(v), "se": statistics.stdev(v) / len(v) ** 0.5 if len(v) > 1 else float("nan"),
+                "n": float(len(v))} for c, v in groups.items()}
+
+
+def gold_linkage(dataset: Dataset, store: Any) -> dict[str, dict[str, float]]:
+    """How the graph links each question's gold evidence, per category and over 1-4: the events holding
+    a gold turn per question (`gold_events`), the share of questions whose gold lies in two or more
+    events (`spread`), and the share of gold events with an edge, either direction, to another gold
+    event of the same question (`linked`): the evidence a walk can reach in one hop from evidence."""
+    by_user: dict[str, list[Any]] = {}
+    groups: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for question in scorable(dataset):
+        user = question.user_id
+        if user not in by_user:
+            by_user[user] = store.memories(user) if store.has_user(user) else []
+        gold = set(question.evidence_turns)
+        events = {m.id for m in by_user[user] if gold & set(m.refs)}
+        linked = 0
+        for event in events:
+            others = {e.target if e.source == event else e.source for e in store.neighbours(user, event, "both")}
+            linked += bool(others & (events - {event}))
+        for group in (str(question.category), "all"):
+            cells = groups[group]
+            cells["gold_events"].append(len(events))
+            cells["spread"].append(float(len(events) >= 2))
+            cells["linked_events"].append(linked)
+    return {c: {"gold_events": statistics.mean(v["gold_events"]), "spread": 100 * statistics.mean(v["spread"]),
+                "linked": 100 * sum(v["linked_events"]) / max(sum(v["gold_events"]), 1)} for c, v in groups.items()}
+
+
 def flat_recall(dataset: Dataset, retriever: Any, granularity: str, name: str) -> dict[str, dict[str, float]]:
     """The first stage's own ranking, R@T per category (as `rmm eval --granularity G` scores it)."""
     from rmm.eval.retrieval import evaluate_orders
@@ -333,6 +379,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         for label, cells in rows.items():
             print(_line(label, cells))
     record["table"] = table
+    gains = {name: {f"recall_turns@{t}": paired_gain(run.rows, f"recall_turns@{t}") for t in TURN_BUDGETS}
+             for name, run in runs.items() if name != "oracle"}
+    record["gains"] = gains
+    print("\nsearch − direct with as many events, points (± paired standard error; questions per category: "
+          + ", ".join(f"{c} {gains['heuristic'][f'recall_turns@{TURN_BUDGETS[0]}'][c]['n']:.0f}"
+                      for c in (*map(str, CATEGORIES), "all") if c in gains["heuristic"][f"recall_turns@{TURN_BUDGETS[0]}"])
+          + ")")
+    print(f"{'':<34}" + "".join(f"{c:>12}" for c in (*map(str, CATEGORIES), "all")))
+    for name, by_budget in gains.items():
+        for key, cells in by_budget.items():
+            print(f"{name + ' R@' + key.split('@')[1] + 't':<34}" + "".join(
+                f"{cells[c]['mean']:>+8.1f}±{cells[c]['se']:<3.1f}" if c in cells else f"{'—':>12}"
+                for c in (*map(str, CATEGORIES), "all")))
+    linkage = gold_linkage(held, events.retriever.bank.store)
+    record["gold_linkage"] = linkage
+    print("\ngold evidence in the graph (per category 1-4 / all): events holding gold per question "
+          + " / ".join(f"{linkage[c]['gold_events']:.2f}" for c in (*map(str, CATEGORIES), "all") if c in linkage)
+          + "; questions with gold in >= 2 events "
+          + " / ".join(f"{linkage[c]['spread']:.0f}%" for c in (*map(str, CATEGORIES), "all") if c in linkage)
+          + "; gold events with an edge to another gold event "
+          + " / ".join(f"{linkage[c]['linked']:.0f}%" for c in (*map(str, CATEGORIES), "all") if c in linkage))
     timing = {name: {"walk_ms": _ms(run.walk_ms), "topics_ms": _ms(run.topic_ms),
                      "memories": statistics.mean(r["n_memories"] for r in run.rows),
                      "steps": statistics.mean(r["steps"] for r in run.rows), "table4": run.table4}
