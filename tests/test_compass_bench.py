@@ -101,3 +101,5 @@ def test_gold_linkage_counts_gold_events_and_their_edges_to_each_other(tmp_path)
     assert found["1"] == {"gold_events": 3, "spread": 100.0, "linked": 200 / 3}
     assert found["4"] == {"gold_events": 0.5, "spread": 0.0, "linked": 0.0}
     assert found["all"]["gold_events"] == 4 / 3 and math.isclose(found["all"]["linked"], 50.0)
+    first = gold_linkage(Dataset("x", {"u": [], "v": []}, questions), store, limit=1)  # as the searches' --limit
+    assert set(first) == {"1", "all"} and first["all"] == found["1"]

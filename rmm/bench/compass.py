@@ -66,6 +66,7 @@ from rmm.types import Dataset, Question
 log = logging.getLogger(__name__)
 
 CATEGORIES: tuple[int, ...] = (1, 2, 3, 4)
+COLUMNS: tuple[str, ...] = (*map(str, CATEGORIES), "all")  # the tables' columns
 USERS: tuple[str, ...] = ("heldout", "train")
 # The heuristic walk as first written: the reranker's score alone, the paper's slate, the order kept.
 FIRST_WALK: dict[str, Any] = {"start_k": 5, "topics": 5, "seeds": 5, "lookahead": 0.0, "opener": 0.0,
@@ -204,13 +205,18 @@ def train_reranker(dataset: Dataset, retriever: Any, config: CompassConfig, *, k
     return learner, {"questions": len(questions), "seconds": time.perf_counter() - t0, **asdict(learner.stats)}
 
 
-def by_category(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
-    """Mean of `key` (in %) per category and over categories 1-4 ("all")."""
+def _per_category(rows: list[dict[str, Any]], value: Any) -> dict[str, list[float]]:
+    """`value(row)` of every row, grouped by its category and all together ("all")."""
     groups: dict[str, list[float]] = defaultdict(list)
     for row in rows:
-        groups[str(row["category"])].append(float(row[key]))
-        groups["all"].append(float(row[key]))
-    return {c: 100 * statistics.mean(v) for c, v in groups.items()}
+        groups[str(row["category"])].append(value(row))
+        groups["all"].append(value(row))
+    return groups
+
+
+def by_category(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """Mean of `key` (in %) per category and over categories 1-4 ("all")."""
+    return {c: 100 * statistics.mean(v) for c, v in _per_category(rows, lambda row: float(row[key])).items()}
 
 
 def paired_gain(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, float]]:
@@ -218,23 +224,20 @@ def paired_gain(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, flo
     category and over categories 1-4: its mean, the standard error of that mean (paired: both arms read
     the same questions) and the number of questions. A gain within about two standard errors of zero
     is one the questions cannot tell from none."""
-    groups: dict[str, list[float]] = defaultdict(list)
-    for row in rows:
-        gain = 100 * (float(row[f"{key}_search"]) - float(row[f"{key}_direct"]))
-        groups[str(row["category"])].append(gain)
-        groups["all"].append(gain)
+    groups = _per_category(rows, lambda row: 100 * (float(row[f"{key}_search"]) - float(row[f"{key}_direct"])))
     return {c: {"mean": statistics.mean(v), "se": statistics.stdev(v) / len(v) ** 0.5 if len(v) > 1 else float("nan"),
                 "n": float(len(v))} for c, v in groups.items()}
 
 
-def gold_linkage(dataset: Dataset, store: Any) -> dict[str, dict[str, float]]:
+def gold_linkage(dataset: Dataset, store: Any, limit: int | None = None) -> dict[str, dict[str, float]]:
     """How the graph links each question's gold evidence, per category and over 1-4: the events holding
     a gold turn per question (`gold_events`), the share of questions whose gold lies in two or more
     events (`spread`), and the share of gold events with an edge, either direction, to another gold
-    event of the same question (`linked`): the evidence a walk can reach in one hop from evidence."""
+    event of the same question (`linked`): the evidence a walk can reach in one hop from evidence.
+    Over `scorable(dataset, limit)`, the questions the searches read."""
     by_user: dict[str, list[Any]] = {}
     groups: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for question in scorable(dataset):
+    for question in scorable(dataset, limit):
         user = question.user_id
         if user not in by_user:
             by_user[user] = store.memories(user) if store.has_user(user) else []
@@ -242,7 +245,7 @@ def gold_linkage(dataset: Dataset, store: Any) -> dict[str, dict[str, float]]:
         events = {m.id for m in by_user[user] if gold & set(m.refs)}
         linked = 0
         for event in events:
-            others = {e.target if e.source == event else e.source for e in store.neighbours(user, event, "both")}
+            others = {e.other(event) for e in store.neighbours(user, event, "both")}
             linked += bool(others & (events - {event}))
         for group in (str(question.category), "all"):
             cells = groups[group]
@@ -289,7 +292,7 @@ def _ms(values: list[float]) -> dict[str, float]:
 
 
 def _line(label: str, cells: dict[str, float]) -> str:
-    return f"{label:<34}" + "".join(f"{cells.get(c, float('nan')):>8.1f}" for c in (*map(str, CATEGORIES), "all"))
+    return f"{label:<34}" + "".join(f"{cells.get(c, float('nan')):>8.1f}" for c in COLUMNS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -337,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return open_retriever(args.retriever, ds, granularity, cache=args.cache_dir, device="cpu", progress=False,
                               candidate_features=features and LearnerConfig.candidate_features)
 
-    header = f"{'R@Tt (%) on ' + ('held-out' if args.users == 'heldout' else 'training'):<34}" + "".join(f"{c:>8}" for c in (*map(str, CATEGORIES), "all"))
+    header = f"{'R@Tt (%) on ' + ('held-out' if args.users == 'heldout' else 'training'):<34}" + "".join(f"{c:>8}" for c in COLUMNS)
     flat = {g: flat_recall(held, opened(held, g, False).retriever, g, args.retriever) for g in ("event", "topic")}
     record["flat"] = flat
     events = opened(held, "event", True)
@@ -382,24 +385,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     gains = {name: {f"recall_turns@{t}": paired_gain(run.rows, f"recall_turns@{t}") for t in TURN_BUDGETS}
              for name, run in runs.items() if name != "oracle"}
     record["gains"] = gains
+    counts = gains["heuristic"][f"recall_turns@{TURN_BUDGETS[0]}"]
     print("\nsearch − direct with as many events, points (± paired standard error; questions per category: "
-          + ", ".join(f"{c} {gains['heuristic'][f'recall_turns@{TURN_BUDGETS[0]}'][c]['n']:.0f}"
-                      for c in (*map(str, CATEGORIES), "all") if c in gains["heuristic"][f"recall_turns@{TURN_BUDGETS[0]}"])
-          + ")")
-    print(f"{'':<34}" + "".join(f"{c:>12}" for c in (*map(str, CATEGORIES), "all")))
+          + ", ".join(f"{c} {counts[c]['n']:.0f}" for c in COLUMNS if c in counts) + ")")
+    print(f"{'':<34}" + "".join(f"{c:>12}" for c in COLUMNS))
     for name, by_budget in gains.items():
         for key, cells in by_budget.items():
             print(f"{name + ' R@' + key.split('@')[1] + 't':<34}" + "".join(
                 f"{cells[c]['mean']:>+8.1f}±{cells[c]['se']:<3.1f}" if c in cells else f"{'—':>12}"
-                for c in (*map(str, CATEGORIES), "all")))
-    linkage = gold_linkage(held, events.retriever.bank.store)
+                for c in COLUMNS))
+    linkage = gold_linkage(held, events.retriever.bank.store, args.limit)
     record["gold_linkage"] = linkage
-    print("\ngold evidence in the graph (per category 1-4 / all): events holding gold per question "
-          + " / ".join(f"{linkage[c]['gold_events']:.2f}" for c in (*map(str, CATEGORIES), "all") if c in linkage)
-          + "; questions with gold in >= 2 events "
-          + " / ".join(f"{linkage[c]['spread']:.0f}%" for c in (*map(str, CATEGORIES), "all") if c in linkage)
-          + "; gold events with an edge to another gold event "
-          + " / ".join(f"{linkage[c]['linked']:.0f}%" for c in (*map(str, CATEGORIES), "all") if c in linkage))
+
+    def linked(name: str, fmt: str) -> str:
+        return " / ".join(format(linkage[c][name], fmt) for c in COLUMNS if c in linkage)
+
+    print(f"\ngold evidence in the graph (per category 1-4 / all): events holding gold per question "
+          f"{linked('gold_events', '.2f')}; questions with gold in >= 2 events {linked('spread', '.0f')} %; "
+          f"gold events with an edge to another gold event {linked('linked', '.0f')} %")
     timing = {name: {"walk_ms": _ms(run.walk_ms), "topics_ms": _ms(run.topic_ms),
                      "memories": statistics.mean(r["n_memories"] for r in run.rows),
                      "steps": statistics.mean(r["steps"] for r in run.rows), "table4": run.table4}

@@ -440,7 +440,7 @@ class CompassFrontend:
         edges = self._edges(q, item.node)
         direction: dict[str, tuple[str, bool]] = {}
         for edge in edges:
-            other, outgoing = (edge.target, True) if edge.source == item.node else (edge.source, False)
+            other, outgoing = edge.other(item.node), edge.source == item.node
             if other != item.node:
                 direction.setdefault(other, (edge.label, outgoing))
         if not direction:
@@ -597,8 +597,7 @@ class CompassFrontend:
 
     def _others(self, q: _Question, memory_id: str) -> list[str]:
         """The node's neighbours (either direction), each once, in edge order."""
-        return list(dict.fromkeys(e.target if e.source == memory_id else e.source for e in self._edges(q, memory_id)
-                                  if e.source != e.target))
+        return list(dict.fromkeys(e.other(memory_id) for e in self._edges(q, memory_id) if e.source != e.target))
 
     def _walk_scores(self, q: _Question, ids: Sequence[str]) -> dict[str, float]:
         """The heuristic's node scores: the reranker's, plus `opener` for a node that opens its session

@@ -91,6 +91,10 @@ class Edge:
         object.__setattr__(self, "evidence", tuple(self.evidence))
         check_edge(self.source, self.target, self.label, self.evidence)
 
+    def other(self, node: str) -> str:
+        """The end of this edge that is not `node` (read from either end; a self-loop gives `node`)."""
+        return self.target if self.source == node else self.source
+
 
 @dataclass(frozen=True)
 class Topic:
