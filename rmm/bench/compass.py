@@ -340,7 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return open_retriever(args.retriever, ds, granularity, cache=args.cache_dir, device="cpu", progress=False,
                               candidate_features=features and LearnerConfig.candidate_features)
 
-    header = f"{'R@Tt (%) on ' + ('held-out' if args.users == 'heldout' else 'training'):<34}" + "".join(f"{c:>8}" for c in COLUMNS)
+    title = "R@Tt (%) on " + ("held-out" if args.users == "heldout" else "training")
+    header = f"{title:<34}" + "".join(f"{c:>8}" for c in COLUMNS)
     flat = {g: flat_recall(held, opened(held, g, False).retriever, g, args.retriever) for g in ("event", "topic")}
     record["flat"] = flat
     events = opened(held, "event", True)

@@ -33,8 +33,9 @@ The heuristic walk (every value chosen on LoCoMo's training conversations, `rmm.
 the query plus `opener` when the node opens its session (no incoming `next` edge), 0 by default:
 LoCoMo's session openers carry the "since we last talked" news its multi-hop questions gather (28 %
 of their gold events, 12.5 % of all events), a prior of that benchmark's shape, not of memory, so it
-is an option, not the default; its priority adds `lookahead` × the best walk score among its neighbours (what expanding it reaches: a
-node inside a relevant stretch of conversation beats an isolated look-alike). The localization slate
+is an option, not the default; its priority adds `lookahead` × the best walk score among its
+neighbours (what expanding it reaches: a node inside a relevant stretch of conversation beats an
+isolated look-alike). The localization slate
 is the reranker's top-`start_k` of the pool (20; not diversified over topics: `topics` = the pool),
 the `seeds` best of its nodes whose walk score clears `threshold` start the walk; the queue pops by
 priority, a node is kept and its neighbours queued while its walk score clears `threshold`, within

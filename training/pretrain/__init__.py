@@ -12,9 +12,10 @@ ranks so each query sees the global batch's passages (`loss`).
 
 Modules, one concept each: `data` (pairs, split by user), `sampler` (false-negative-free batches,
 sharded), `loss` (InfoNCE + cross-device gather), `mining` (hard negatives), `module` (the
-LightningModule), `graphs` (its transformer passes replayed from CUDA graphs, `cuda_graphs: true`), `datamodule` (the LightningDataModule), `evaluation` (held-out recall),
-`console` (Lightning's screen output, one line per event) and `driver` (`run_pretrain`: the whole
-program, its one resumable checkpoint and Ctrl-C).
+LightningModule), `graphs` (its transformer passes replayed from CUDA graphs, `cuda_graphs: true`),
+`datamodule` (the LightningDataModule), `evaluation` (held-out recall), `console` (Lightning's
+screen output, one line per event) and `driver` (`run_pretrain`: the whole program, its one
+resumable checkpoint and Ctrl-C).
 """
 
 from __future__ import annotations
